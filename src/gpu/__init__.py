@@ -1,0 +1,1 @@
+"""lanes.gpu: devices, CUDA streams and events, the KV block pool, attention, collectives."""

@@ -1,0 +1,1 @@
+"""lanes.http: the OpenAI-compatible HTTP server."""

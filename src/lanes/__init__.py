@@ -1,0 +1,1 @@
+"""lanes: an LLM inference server on Trio."""
