@@ -1,0 +1,100 @@
+"""Attention over the paged KV cache: new K/V written to their slots, then ragged rows gathered for SDPA.
+
+Built once a pass (`PagedRows.build`, host-side index math) and used by every layer. A fast GPU kernel
+replaces `paged_attention` later; this gather is exact and runs on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One lane's rows in a pass: `length` new tokens at positions `start`.. over its block table."""
+
+    start: int
+    length: int
+    blocks: Sequence[int]
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Index tensors for one pass, on the pass's device.
+
+    slots: [T] where each new token's K/V goes; q_index: [B*Q] row of the flat queries for each padded
+    query (0 for padding); k_slots: [B*K] slot of each padded key (0 for padding); mask: [B, 1, Q, K]
+    which keys a query sees (padding rows see key 0 only, so no row is empty); out_index: [T] padded row
+    of each flat query.
+    """
+
+    slots: torch.Tensor
+    q_index: torch.Tensor
+    k_slots: torch.Tensor
+    mask: torch.Tensor
+    out_index: torch.Tensor
+    lanes: int
+    max_q: int
+    max_k: int
+
+    @staticmethod
+    def build(spans: Sequence[RowSpan], block_size: int, device: torch.device) -> "PagedRows":
+        lanes = len(spans)
+        max_q = max(s.length for s in spans)
+        max_k = max(s.start + s.length for s in spans)
+        slots, q_index, out_index = [], np.zeros(lanes * max_q, np.int64), []
+        k_slots = np.zeros(lanes * max_k, np.int64)
+        mask = np.zeros((lanes, 1, max_q, max_k), np.bool_)
+        mask[:, :, :, 0] = True  # padding rows see key 0; real rows see it anyway
+        row = 0
+        for b, span in enumerate(spans):
+            end = span.start + span.length
+            if len(span.blocks) * block_size < end:
+                raise ValueError(f"a block table of {len(span.blocks)} blocks cannot hold {end} tokens")
+            positions = np.arange(end)
+            lane_slots = np.asarray(span.blocks, np.int64)[positions // block_size] * block_size + positions % block_size
+            k_slots[b * max_k : b * max_k + end] = lane_slots
+            slots.append(lane_slots[span.start :])
+            q_index[b * max_q : b * max_q + span.length] = np.arange(row, row + span.length)
+            out_index.append(np.arange(b * max_q, b * max_q + span.length))
+            query_pos = span.start + np.arange(span.length)
+            mask[b, 0, : span.length, :max_k] = np.arange(max_k)[None, :] <= query_pos[:, None]
+            row += span.length
+
+        def put(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        return PagedRows(
+            slots=put(np.concatenate(slots)),
+            q_index=put(q_index),
+            k_slots=put(k_slots),
+            mask=put(mask),
+            out_index=put(np.concatenate(out_index)),
+            lanes=lanes,
+            max_q=max_q,
+            max_k=max_k,
+        )
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the pass's new keys and values. cache_*: [S, Hkv, D]; k, v: [T, Hkv, D]."""
+    cache_k.index_copy_(0, rows.slots, k)
+    cache_v.index_copy_(0, rows.slots, v)
+
+
+def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float) -> torch.Tensor:
+    """Causal attention of each lane's new rows over its whole context. q: [T, Hq, D] -> [T, Hq, D]."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = cache_k.shape[1]
+    # [B, Hq, Q, D] from the flat rows; [B, Hkv, K, D] from the cache.
+    qp = q.index_select(0, rows.q_index).view(rows.lanes, rows.max_q, hq, d).transpose(1, 2)
+    kp = cache_k.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
+    vp = cache_v.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, scale=scale, enable_gqa=hq != hkv)
+    # [B, Hq, Q, D] -> [B*Q, Hq, D] -> the flat rows.
+    return out.transpose(1, 2).reshape(rows.lanes * rows.max_q, hq, d).index_select(0, rows.out_index)

@@ -1,0 +1,132 @@
+"""Where passes run: CUDA when cuda-python finds a GPU, else the CPU; and how Trio awaits a pass.
+
+On CUDA a pass is launched on a stream made with cuda-python (wrapped for torch) and its end is awaited
+through a CUDA event synced in a worker thread, so the event loop never blocks. On the CPU the pass itself
+runs in a worker thread. Either way one pass runs at a time, in submission order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+import trio
+
+T = TypeVar("T")
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+class DeviceError(Exception):
+    """A device or dtype that cannot be used here; the words are for the person who asked for it."""
+
+
+def cuda_device_count() -> int:
+    """GPUs the CUDA driver sees, through cuda-python; 0 when there is no driver or no device."""
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return 0
+        err, count = driver.cuDeviceGetCount()
+        return int(count) if err == driver.CUresult.CUDA_SUCCESS else 0
+    except (ImportError, RuntimeError, OSError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def describe(self) -> str:
+        return f"{self.device} {str(self.dtype).removeprefix('torch.')}"
+
+
+def choose(device: str | None = None, dtype: str | None = None) -> Placement:
+    """`--device` (auto, cpu, cuda, cuda:N) and `--dtype` (auto, bf16, fp16, fp32) to a placement.
+
+    auto picks CUDA when a GPU is there; the default dtype is bf16 on CUDA and fp32 on the CPU.
+    """
+    device = (device or "auto").lower()
+    gpus = cuda_device_count()
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        if index >= gpus:
+            raise DeviceError(f"--device {device}: {gpus} CUDA device(s) found" + ("" if gpus else " (no driver or no GPU)"))
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {device}: this torch build has no CUDA support")
+        target = torch.device("cuda", index)
+    elif device == "cpu":
+        target = torch.device("cpu")
+    else:
+        raise DeviceError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    name = (dtype or "auto").lower()
+    if name == "auto":
+        chosen = torch.bfloat16 if target.type == "cuda" else torch.float32
+    elif name in DTYPES:
+        chosen = DTYPES[name]
+    else:
+        raise DeviceError(f"--dtype {dtype}: expected auto, bf16, fp16 or fp32")
+    return Placement(target, chosen)
+
+
+class CpuRunner:
+    """Runs each pass in a worker thread, one at a time; the thread finishes its pass even if cancelled."""
+
+    def __init__(self) -> None:
+        self._limiter = trio.CapacityLimiter(1)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+
+    def close(self) -> None:
+        pass
+
+
+class CudaRunner:
+    """Launches each pass on a cuda-python stream from a worker thread and awaits its end via a CUDA event."""
+
+    def __init__(self, index: int) -> None:
+        from cuda.core import Device, EventOptions
+
+        self.device = Device(index)
+        torch.cuda.set_device(index)
+        torch.cuda.init()  # torch's primary context first, so cuda.core shares it
+        self.device.set_current()
+        self.stream = self.device.create_stream()
+        # torch: launches on the stream made by cuda-python
+        self.torch_stream = torch.cuda.ExternalStream(int(self.stream.handle), device=torch.device("cuda", index))
+        self._event_options = EventOptions(enable_timing=False, busy_waited_sync=False)
+        self._launcher = trio.CapacityLimiter(1)
+        self._waiter = trio.CapacityLimiter(1)
+
+    def _launch(self, fn: Callable[[], T]):
+        with torch.cuda.stream(self.torch_stream):
+            out = fn()
+        return out, self.stream.record(options=self._event_options)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """The pass's result once the GPU has finished it; the event loop keeps running meanwhile."""
+        out, event = await trio.to_thread.run_sync(self._launch, fn, limiter=self._launcher)
+        await trio.to_thread.run_sync(event.sync, limiter=self._waiter)
+        event.close()
+        return out
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def runner_for(placement: Placement) -> CpuRunner | CudaRunner:
+    if placement.is_cuda:
+        return CudaRunner(placement.device.index or 0)
+    return CpuRunner()

@@ -1,0 +1,122 @@
+"""The forward pass of a Llama-shaped decoder (Llama, Qwen2, Qwen3) over the paged KV cache, for one shard.
+
+Every lane's rows of a pass run flat ([T, hidden]) through the matmuls; attention regroups them per lane
+over the block pool. Where ranks would disagree the collective sums (after row-parallel linears and the
+vocabulary-parallel embedding) or gathers (the head's vocabulary slices).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..core.passes import Piece
+from ..gpu.attention import PagedRows, RowSpan, paged_attention, write_kv
+from ..gpu.collective import Collective
+from ..gpu.kv import KVCache
+from .config import ModelConfig
+from .rope import apply_rotary, cos_sin, inverse_frequencies
+from .weights import DecoderWeights, LayerWeights, Shard
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32 and cast back before the weight, as the reference does."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class PassInputs:
+    """A pass's host-built inputs, on the device: token ids, positions, attention indices, logit rows."""
+
+    def __init__(self, pieces: Sequence[Piece], block_size: int, device: torch.device) -> None:
+        tokens = np.fromiter((t for p in pieces for t in p.tokens), np.int64)
+        positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in pieces])
+        rows, offset = [], 0
+        for p in pieces:
+            n = len(p.tokens)
+            if p.logits == "all":
+                rows.append(np.arange(offset, offset + n))
+            elif p.logits == "last":
+                rows.append(np.array([offset + n - 1]))
+            offset += n
+        self.tokens = torch.from_numpy(tokens).to(device, non_blocking=True)  # [T]
+        self.positions = torch.from_numpy(positions).to(device, non_blocking=True)  # [T]
+        picked = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.logit_rows = torch.from_numpy(picked.astype(np.int64)).to(device, non_blocking=True)  # [R]
+        spans = [RowSpan(p.start, len(p.tokens), p.blocks) for p in pieces]
+        self.paged = PagedRows.build(spans, block_size, device)
+
+
+class Decoder:
+    """One shard of a decoder with its KV cache; `forward` runs a pass and returns the asked-for logits."""
+
+    def __init__(self, config: ModelConfig, weights: DecoderWeights, kv: KVCache, comm: Collective, shard: Shard) -> None:
+        self.config = config
+        self.weights = weights
+        self.kv = kv
+        self.comm = comm
+        self.shard = shard
+        self.device = weights.norm.device
+        self.dtype = weights.norm.dtype
+        self.heads = config.heads // shard.world
+        self.kv_heads = shard.kv_heads(config)
+        self.vocab_first, self.vocab_per_rank = shard.vocab_range(config.vocab_size)
+        inv_freq, self.rope_scale = inverse_frequencies(config)
+        self.inv_freq = inv_freq.to(self.device)
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """Run one pass; returns logits [R, vocab] in the model dtype for the pieces' logit rows, in order."""
+        inputs = PassInputs(pieces, self.kv.shape.block_size, self.device)
+        return self.forward_inputs(inputs)
+
+    def forward_inputs(self, inputs: PassInputs) -> torch.Tensor:
+        x = self.embed(inputs.tokens)  # [T, hidden]
+        cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)
+        for index, layer in enumerate(self.weights.layers):
+            x = x + self.attention(index, layer, rms_norm(x, layer.input_norm, self.config.rms_eps), cos, sin, inputs.paged)
+            x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_eps))
+        return self.logits(x.index_select(0, inputs.logit_rows))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: each rank fills the rows its slice holds, the sum fills the rest."""
+        if self.shard.world == 1:
+            return F.embedding(tokens, self.weights.embed)
+        local = tokens - self.vocab_first
+        inside = (local >= 0) & (local < self.vocab_per_rank)
+        rows = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weights.embed)
+        return self.comm.all_reduce(rows * inside[:, None].to(rows.dtype))
+
+    def attention(self, index: int, layer: LayerWeights, h: torch.Tensor, cos, sin, paged: PagedRows) -> torch.Tensor:
+        t, d = h.shape[0], self.config.head_dim
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (hq + 2 hkv) * D]
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q, k, v = q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.reshape(t, self.kv_heads, d)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.config.rms_eps)
+            k = rms_norm(k, layer.k_norm, self.config.rms_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache_k, cache_v = self.kv.layer(index)
+        write_kv(cache_k, cache_v, paged, k, v)
+        out = paged_attention(q, cache_k, cache_v, paged, self.scale).reshape(t, self.heads * d)
+        return self.row_parallel(out, layer.o, layer.o_bias)
+
+    def mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return self.row_parallel(F.silu(gate) * up, layer.down, layer.down_bias)
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.comm.all_reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab]: the final norm, this rank's vocabulary slice, then the gather."""
+        local = F.linear(rms_norm(rows, self.weights.norm, self.config.rms_eps), self.weights.head)
+        if self.shard.world == 1:
+            return local
+        return self.comm.all_gather(local, dim=-1)[:, : self.config.vocab_size]

@@ -1,0 +1,51 @@
+"""Families by the names checkpoints give them: `model_type`, `architectures`, GGUF `general.architecture`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from .config import ConfigFault, ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: the names it answers to and how its config reads."""
+
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    config: Callable[[Mapping[str, Any]], ModelConfig]
+
+
+_FAMILIES: list[Family] = []
+
+
+def register(family: Family) -> Family:
+    _FAMILIES.append(family)
+    return family
+
+
+def families() -> list[Family]:
+    _load_builtin()
+    return list(_FAMILIES)
+
+
+def family_for(config: Mapping[str, Any]) -> Family:
+    """The family a config names by `model_type`, else by `architectures`; ConfigFault when none does."""
+    _load_builtin()
+    model_type = config.get("model_type")
+    for family in _FAMILIES:
+        if model_type in family.model_types:
+            return family
+    for architecture in config.get("architectures") or ():
+        for family in _FAMILIES:
+            if architecture in family.architectures:
+                return family
+    known = ", ".join(f.name for f in _FAMILIES)
+    named = model_type or ", ".join(config.get("architectures") or ()) or "nothing"
+    raise ConfigFault(f"unknown architecture {named!r} (supported families: {known})")
+
+
+def _load_builtin() -> None:
+    from . import llama, qwen2, qwen3  # noqa: F401  (each registers itself on import)

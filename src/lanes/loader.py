@@ -1,0 +1,140 @@
+"""From a path to a model on a device: open the checkpoint, pick its family, read its shard, size the KV cache."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .checkpoint.errors import CheckpointError
+from .checkpoint.gguf_file import GGUFFile
+from .checkpoint.gguf_source import GGUFSource, hf_config
+from .checkpoint.safetensors_source import SafetensorsSource
+from .checkpoint.source import TensorSource
+from .families.config import ConfigFault, ModelConfig
+from .families.decoder import Decoder
+from .families.registry import Family, family_for
+from .families.weights import Shard, load_decoder, tensor_count
+from .progress import Progress
+from .gpu.blocks import BLOCK_SIZE
+from .gpu.collective import Collective, Solo
+from .gpu.device import Placement
+from .gpu.kv import KVCache, KVShape
+
+if TYPE_CHECKING:
+    from .text.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its config, family and tensors; nothing is on the device yet."""
+
+    path: Path
+    raw_config: dict[str, Any]
+    config: ModelConfig
+    family: Family
+    source: TensorSource
+    gguf: GGUFFile | None = None
+
+    def tokenizer(self) -> "Tokenizer":
+        from .text.tokenizer import Tokenizer
+
+        if self.gguf is not None:
+            return Tokenizer.from_gguf(self.gguf.metadata, self.path, self.config.vocab_size)
+        return Tokenizer.from_folder(self.path, self.config.vocab_size)
+
+
+def open_checkpoint(path: Path | str) -> Checkpoint:
+    """A Hugging Face folder or a GGUF file; every fault is a CheckpointError naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(config_path, "missing: a Hugging Face model folder needs config.json")
+        try:
+            raw = json.loads(config_path.read_text())
+        except (ValueError, UnicodeDecodeError) as error:
+            raise CheckpointError(config_path, f"not valid JSON ({error})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(config_path, "not a JSON object")
+        family, config = _family(raw, config_path)
+        return Checkpoint(path, raw, config, family, SafetensorsSource(path))
+    if path.is_file():
+        with path.open("rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise CheckpointError(path, "neither a GGUF file nor a Hugging Face model folder")
+        file = GGUFFile(path)
+        raw = hf_config(file)
+        family, config = _family(raw, path)
+        return Checkpoint(path, raw, config, family, GGUFSource(file, raw), gguf=file)
+    raise CheckpointError(path, "no such file or folder")
+
+
+def _family(raw: dict[str, Any], where: Path) -> tuple[Family, ModelConfig]:
+    try:
+        family = family_for(raw)
+        return family, family.config(raw)
+    except (ConfigFault, TypeError, ValueError) as error:
+        raise CheckpointError(where, str(error)) from None
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint's shard on a device with its KV cache, ready for passes."""
+
+    checkpoint: Checkpoint
+    config: ModelConfig
+    tokenizer: "Tokenizer"
+    decoder: Decoder
+    placement: Placement
+    shard: Shard
+
+    @property
+    def kv_blocks(self) -> int:
+        return self.decoder.kv.blocks
+
+
+def default_kv_bytes(placement: Placement) -> int:
+    """The KV budget when none is given: 1 GiB on the CPU, 85% of what is free on a GPU after the weights."""
+    if placement.is_cuda:
+        free, _ = torch.cuda.mem_get_info(placement.device)
+        return int(free * 0.85)
+    return 1 << 30
+
+
+def load_model(
+    path: Path | str,
+    placement: Placement,
+    *,
+    shard: Shard = Shard(),
+    comm: Collective | None = None,
+    kv_bytes: int | None = None,
+    kv_blocks: int | None = None,
+    quiet: bool = False,
+) -> LoadedModel:
+    """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache."""
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config
+    tokenizer = checkpoint.tokenizer()
+    try:
+        shard.check(config)
+    except ValueError as error:
+        raise CheckpointError(checkpoint.path, str(error)) from None
+    stream = io.StringIO() if quiet else sys.stderr
+    with Progress(f"loading {checkpoint.path.name}", tensor_count(config), stream=stream, unit="tensors") as progress:
+        weights = load_decoder(config, checkpoint.source, checkpoint.path, shard=shard,
+                               device=placement.device, dtype=placement.dtype, progress=progress)
+    kv_shape = KVShape(config.layers, shard.kv_heads(config), config.head_dim, BLOCK_SIZE)
+    if kv_blocks is None:
+        budget = kv_bytes if kv_bytes is not None else default_kv_bytes(placement)
+        kv_blocks = max(1, budget // kv_shape.bytes_per_block(placement.dtype))
+    kv = KVCache(kv_shape, kv_blocks, device=placement.device, dtype=placement.dtype)
+    decoder = Decoder(config, weights, kv, comm or Solo(), shard)
+    return LoadedModel(checkpoint, config, tokenizer, decoder, placement, shard)
