@@ -22,6 +22,9 @@ from .rope import apply_rotary, cos_sin, inverse_frequencies
 from .weights import DecoderWeights, LayerWeights, Shard
 
 
+MAX_PREFILLS = 16  # prompts in one batched prompt pass
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in float32 and cast back before the weight, as the reference does."""
     x32 = x.to(torch.float32)
@@ -68,6 +71,18 @@ class Decoder:
         inv_freq, self.rope_scale = inverse_frequencies(config)
         self.inv_freq = inv_freq.to(self.device)
         self.scale = config.head_dim**-0.5
+
+    def prefill_many(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """Up to 16 prompt pieces (ragged, each at its own start over its own blocks) in one pass."""
+        if not 0 < len(pieces) <= MAX_PREFILLS:
+            raise ValueError(f"prefill_many takes 1 to {MAX_PREFILLS} prompts, not {len(pieces)}")
+        return self.forward(pieces)
+
+    def decode(self, pieces: Sequence[Piece]) -> torch.Tensor:
+        """One row a lane; returns logits [lanes, vocab]."""
+        if any(len(p.tokens) != 1 or p.logits != "last" for p in pieces):
+            raise ValueError("decode takes one row a lane and returns its logits")
+        return self.forward(pieces)
 
     @torch.inference_mode()
     def forward(self, pieces: Sequence[Piece]) -> torch.Tensor:

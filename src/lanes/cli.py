@@ -1,0 +1,71 @@
+"""`python -m lanes`: generate (a greedy continuation), fetch (the default model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+
+from .checkpoint.errors import CheckpointError
+from .models import DEFAULT_MODEL, resolve_model
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="lanes", description="An LLM inference server on Trio.")
+    commands = top.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="print a greedy continuation of a prompt",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder, a .gguf file or a default's name")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--chat", action="store_true", help="render the prompt as one user message through the chat template")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+
+    fetch = commands.add_parser("fetch", help="download a default model into the cache (LANES_HOME or ~/.cache/lanes)")
+    fetch.add_argument("--model", default=DEFAULT_MODEL)
+    return top
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from .generate import greedy
+    from .gpu.device import choose, runner_for
+    from .loader import load_model
+
+    placement = choose(args.device, args.dtype)
+    model = load_model(resolve_model(args.model), placement, kv_bytes=64 << 20)
+    tokenizer = model.tokenizer
+    if args.chat:
+        prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": args.prompt}]))
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    runner = runner_for(placement)
+    detok = tokenizer.detokenizer(prompt)
+    try:
+        async for token in greedy(model, runner, prompt, args.max_tokens):
+            if token not in tokenizer.eos_ids:
+                sys.stdout.write(detok.push(token))
+                sys.stdout.flush()
+        sys.stdout.write(detok.flush() + "\n")
+    finally:
+        runner.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .gpu.device import DeviceError
+    from .text.chat import ChatTemplateError
+
+    try:
+        if args.command == "fetch":
+            print(resolve_model(args.model))
+        elif args.command == "generate":
+            trio.run(_generate, args)
+    except (CheckpointError, DeviceError, ChatTemplateError) as error:
+        print(f"lanes: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

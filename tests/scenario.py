@@ -1,0 +1,73 @@
+"""A ragged pass scenario for families tests: prompts prefilled together (one in two chunks), then decoded."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from lanes.core.passes import Piece
+from lanes.gpu.blocks import BlockPool, BlockTable
+
+Forward = Callable[[Sequence[Piece]], torch.Tensor]
+
+
+def prompts(vocab: int, lengths: Sequence[int] = (21, 3, 37, 16), seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def run(forward: Forward, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: int = 16, chunk: int = 20):
+    """Prefill every prompt in one pass (the longest one in chunks of `chunk` rows, over several passes),
+    then decode `steps` greedy tokens for every lane together, lanes at different lengths.
+
+    Returns (prompt logits per lane [n, V], decode logits per step [lanes, V], tokens per lane).
+    """
+    tables = [BlockTable(("lane", i)) for i in range(len(prompt_ids))]
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    prompt_logits: list[list[torch.Tensor]] = [[] for _ in prompt_ids]
+    done = [0] * len(prompt_ids)
+    while any(done[i] < len(p) for i, p in enumerate(prompt_ids)):
+        pieces = []
+        for i, p in enumerate(prompt_ids):
+            if done[i] == len(p):
+                continue
+            take = chunk if i == longest else len(p)
+            tokens = p[done[i] : done[i] + take]
+            tables[i].grow(pool, len(tokens))
+            pieces.append(Piece(i, tuple(tokens), done[i], tuple(tables[i].blocks), "all"))
+        logits = forward(pieces)
+        row = 0
+        for piece in pieces:
+            prompt_logits[piece.lane].append(logits[row : row + len(piece.tokens)])
+            row += len(piece.tokens)
+            done[piece.lane] = piece.end
+    prompt_out = [torch.cat(parts) for parts in prompt_logits]
+    sequences = [list(p) for p in prompt_ids]
+    last = torch.stack([out[-1] for out in prompt_out])
+    step_logits = []
+    for _ in range(steps):
+        pieces = []
+        for i, token in enumerate(last.argmax(-1).tolist()):
+            sequences[i].append(token)
+            tables[i].grow(pool, 1)
+            pieces.append(Piece(i, (token,), len(sequences[i]) - 1, tuple(tables[i].blocks)))
+        last = forward(pieces)
+        step_logits.append(last)
+    for table in tables:
+        table.clear(pool)
+    return prompt_out, step_logits, sequences
+
+
+def reference(model, prompt_ids: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]], steps: int):
+    """transformers' logits for the same rows: each prompt's rows, and each decode step's last row."""
+    with torch.no_grad():
+        prompt_out = [model(torch.tensor([p])).logits[0].float() for p in prompt_ids]
+        step_logits = []
+        for step in range(steps):
+            rows = [model(torch.tensor([s[: len(p) + step + 1]])).logits[0, -1] for p, s in zip(prompt_ids, sequences)]
+            step_logits.append(torch.stack(rows).float())
+        model.generation_config.eos_token_id = None  # the scenario decodes through end-of-sequence tokens
+        greedy = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=steps, do_sample=False, pad_token_id=0)[0].tolist() for p in prompt_ids]
+    return prompt_out, step_logits, greedy

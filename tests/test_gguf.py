@@ -1,0 +1,57 @@
+"""GGUF checkpoints: tiny models written in the test with the gguf writer (F32, Q8_0, Q4_1 matrices; the
+llama Q/K permutation), loaded by us and by transformers' GGUF loader, and compared.
+
+Rules: tiny random models; fp32 on the CPU; logits within 1e-4 of transformers reading the same file.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import scenario
+import tiny
+import tiny_gguf
+from lanes.checkpoint.gguf_source import unpermute
+from lanes.gpu.blocks import BlockPool
+from lanes.gpu.device import choose
+from lanes.loader import load_model
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    weight = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    permuted = tiny_gguf.llama_cpp_permute(weight, 8)
+    assert not np.array_equal(permuted, weight)
+    assert np.array_equal(unpermute(torch.from_numpy(permuted), 8).numpy(), weight)
+
+
+@pytest.mark.parametrize(
+    "arch, matrix_type, overrides",
+    [
+        ("llama", Q.Q4_1, dict(num_key_value_heads=2)),
+        ("llama", Q.Q8_0, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+        ("qwen2", Q.Q8_0, dict(num_key_value_heads=2)),
+        ("qwen3", Q.F32, dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128)),  # transformers reads no key_length
+    ],
+)
+def test_gguf_equals_transformers_gguf_loader(arch, matrix_type, overrides, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny.build(arch, tmp_path / "hf", hidden_size=64, intermediate_size=128, **overrides)
+    path = tmp_path / f"tiny-{arch}-{matrix_type.name}.gguf"
+    tiny_gguf.write(source, tmp_path / "hf", path, arch, matrix_type)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    if matrix_type != Q.F32:  # quantized: our weights are the dequantized ones, not the originals
+        assert not torch.equal(reference.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight)
+    model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
+    assert model.config.family == arch
+    pool = BlockPool(model.kv_blocks)
+    prompt_ids = scenario.prompts(model.config.vocab_size)
+    ours = scenario.run(model.decoder.forward, pool, prompt_ids, steps=8)
+    theirs = scenario.reference(reference, prompt_ids, ours[2], steps=8)
+    for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
+    assert ours[2] == theirs[2]
+    pool.check_integrity()
