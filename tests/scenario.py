@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from lanes.core.passes import Piece
 from lanes.gpu.blocks import BlockPool, BlockTable
 
-Forward = Callable[[Sequence[Piece]], torch.Tensor]
 
 
 def prompts(vocab: int, lengths: Sequence[int] = (21, 3, 37, 16), seed: int = 1) -> list[list[int]]:
@@ -17,7 +16,7 @@ def prompts(vocab: int, lengths: Sequence[int] = (21, 3, 37, 16), seed: int = 1)
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def run(forward: Forward, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: int = 16, chunk: int = 20):
+def run(decoder, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: int = 16, chunk: int = 20):
     """Prefill every prompt in one pass (the longest one in chunks of `chunk` rows, over several passes),
     then decode `steps` greedy tokens for every lane together, lanes at different lengths.
 
@@ -36,7 +35,7 @@ def run(forward: Forward, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], 
             tokens = p[done[i] : done[i] + take]
             tables[i].grow(pool, len(tokens))
             pieces.append(Piece(i, tuple(tokens), done[i], tuple(tables[i].blocks), "all"))
-        logits = forward(pieces)
+        logits = decoder.prefill_many(pieces)
         row = 0
         for piece in pieces:
             prompt_logits[piece.lane].append(logits[row : row + len(piece.tokens)])
@@ -52,7 +51,7 @@ def run(forward: Forward, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], 
             sequences[i].append(token)
             tables[i].grow(pool, 1)
             pieces.append(Piece(i, (token,), len(sequences[i]) - 1, tuple(tables[i].blocks)))
-        last = forward(pieces)
+        last = decoder.decode(pieces)
         step_logits.append(last)
     for table in tables:
         table.clear(pool)

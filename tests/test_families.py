@@ -35,7 +35,7 @@ def test_family_equals_transformers(case, tmp_path):
     assert model.config.family == kind
     pool = BlockPool(model.kv_blocks)
     prompt_ids = scenario.prompts(model.config.vocab_size)
-    ours = scenario.run(model.decoder.forward, pool, prompt_ids)
+    ours = scenario.run(model.decoder, pool, prompt_ids)
     theirs = scenario.reference(reference_model, prompt_ids, ours[2], steps=16)
     for mine, ref in zip(ours[0], theirs[0]):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)

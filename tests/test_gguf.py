@@ -49,7 +49,7 @@ def test_gguf_equals_transformers_gguf_loader(arch, matrix_type, overrides, tmp_
     assert model.config.family == arch
     pool = BlockPool(model.kv_blocks)
     prompt_ids = scenario.prompts(model.config.vocab_size)
-    ours = scenario.run(model.decoder.forward, pool, prompt_ids, steps=8)
+    ours = scenario.run(model.decoder, pool, prompt_ids, steps=8)
     theirs = scenario.reference(reference, prompt_ids, ours[2], steps=8)
     for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)

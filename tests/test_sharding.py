@@ -29,7 +29,7 @@ def run_ranks(folder, world: int, prompt_ids):
             model = load_model(folder, choose("cpu", "fp32"), shard=Shard(rank, world), comm=group.member(rank),
                                kv_blocks=64, quiet=True)
             pool = BlockPool(model.kv_blocks)
-            results[rank] = scenario.run(model.decoder.forward, pool, prompt_ids, steps=8)
+            results[rank] = scenario.run(model.decoder, pool, prompt_ids, steps=8)
             pool.check_integrity()
             assert pool.free == pool.total
         except BaseException as error:  # reported on the test's thread
@@ -60,7 +60,7 @@ def test_world_n_equals_world_1(kind, world, overrides, tmp_path):
     solo_model = load_model(tmp_path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
     assert solo_model.config.vocab_size % world != 0  # the vocabulary is padded per rank
     prompt_ids = scenario.prompts(solo_model.config.vocab_size)
-    solo = scenario.run(solo_model.decoder.forward, BlockPool(64), prompt_ids, steps=8)
+    solo = scenario.run(solo_model.decoder, BlockPool(64), prompt_ids, steps=8)
     for sharded in run_ranks(tmp_path, world, prompt_ids):
         for mine, ref in zip(sharded[0] + sharded[1], solo[0] + solo[1]):
             torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5)
