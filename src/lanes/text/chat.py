@@ -33,7 +33,9 @@ def raise_exception(message: str) -> None:
     raise ChatTemplateError(str(message))
 
 
-def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     """transformers' `tojson`: no HTML escaping (Jinja's own escapes `<`, which tool schemas use)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -95,6 +97,11 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def one_line(error: BaseException) -> str:
+    message = error.message if isinstance(error, jinja2.TemplateError) and error.message else str(error)
+    return " ".join(message.split())
+
+
 def plain(value: Any) -> Any:
     """`value` rebuilt from JSON types only, so the sandbox never sees an object with methods of its own.
 
@@ -148,7 +155,7 @@ class ChatTemplate:
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as error:
-            raise ChatTemplateError(f"chat template does not compile: {error.message} (line {error.lineno})") from None
+            raise ChatTemplateError(f"chat template does not compile: {one_line(error)} (line {error.lineno})") from None
 
     def render(
         self,
@@ -170,7 +177,7 @@ class ChatTemplate:
                 **variables,
             )
         except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error.message}") from None
+            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {one_line(error)}") from None
         # Templates do arithmetic and indexing on client data; those faults are the request's, not ours.
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError, RecursionError) as error:
-            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}") from None
+            raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {one_line(error)}") from None

@@ -195,13 +195,16 @@ def _bpe(path: Path, **options: Any) -> models.BPE:
         raise CheckpointError(path, f"tokenizer vocabulary does not build ({error})") from None
 
 
-def merges_from_scores(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+def merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
     """BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens, ranked by
     the whole token's score, then longer left and right parts first (transformers' `generate_merges`)."""
     found = []
     for token, score in dict(zip(tokens, scores)).items():
         pairs = [(token[:cut], token[cut:]) for cut in range(1, len(token))]
-        pairs = sorted(((left, right) for left, right in pairs if left in vocab and right in vocab), key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        pairs = [(left, right) for left, right in pairs if left in vocab and right in vocab]
+        pairs.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         found.extend((left, right, score) for left, right in pairs)
     found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
     return [(left, right) for left, right, _ in found]

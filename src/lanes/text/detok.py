@@ -1,0 +1,52 @@
+"""Generated token ids to text, one token at a time, never splitting a character."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole UTF-8 character
+
+# Prompt tokens kept before the first generated one, so its leading space decodes as it does in context.
+PROMPT_WINDOW = 6
+
+
+class IncrementalDetokenizer:
+    """Text for a stream of generated token ids.
+
+    `push(id)` returns the text that became final with that token: never half a UTF-8 character, so
+    a character split over byte tokens (`<0xE4>`, or byte-level pieces) comes out whole with its last
+    piece. `flush()` returns what is left at the end. Without prompt ids, everything pushed and flushed,
+    joined, equals `decode(all_generated_ids)`. With prompt ids the window starts in the prompt, so the
+    first token's leading space is the one it has after the prompt (SentencePiece drops it at a start).
+
+    The technique is the well-known one: decode a short window twice, from `prefix` to `read` (text
+    already given out) and from `prefix` to the end, and give out the difference unless it ends in U+FFFD.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Iterable[int] = ()) -> None:
+        self._decode = decode
+        self._ids: list[int] = list(prompt_ids)[-PROMPT_WINDOW:]
+        self._prefix = 0  # start of the window
+        self._read = len(self._ids)  # end of what has been given out
+
+    def push(self, token_id: int) -> str:
+        """The text that `token_id` makes final ("" while a character is still incomplete)."""
+        self._ids.append(token_id)
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(done) or text.endswith(REPLACEMENT):
+            return ""
+        self._settle()
+        return text[len(done) :]
+
+    def flush(self) -> str:
+        """Whatever is left, incomplete characters included (as U+FFFD, as `decode` gives them)."""
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._settle()
+        return text[len(done) :]
+
+    def _settle(self) -> None:
+        # Everything is given out: the next window starts where this one's new text began.
+        self._ids = self._ids[self._read :]
+        self._prefix, self._read = 0, len(self._ids)

@@ -1,0 +1,118 @@
+"""Streaming detokenization: characters split over tokens come out whole, and nothing is lost.
+
+Rules: two tiny tokenizers built here, a byte-level BPE trained on ASCII text (so every non-ASCII
+character is split over byte tokens) and a SentencePiece vocabulary with `<0x..>` byte-fallback tokens;
+the reference is the tokenizer's own `decode` of all generated ids: pushes plus flush must equal it,
+and no push may hold U+FFFD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gguf_vocab import spm_metadata
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as Backend
+
+from lanes.text.detok import IncrementalDetokenizer
+from lanes.text.gguf_vocab import build_gguf_tokenizer
+from lanes.text.tokenizer import Tokenizer
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "print(x) # 1 2 3"] * 20
+TEXTS = ["emoji 🤗👍🏽 end", "日本語のテキスト", "mixed é ü ß 🇫🇷 ok", "a\u200db\n\n c", "🤗", " lead and trail "]
+
+
+def wrap(backend: Backend) -> Tokenizer:
+    return Tokenizer(backend, bos_id=None, eos_ids=(), pad_id=None, chat_template=None)
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> Tokenizer:
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=320, initial_alphabet=alphabet, show_progress=False)
+    backend.train_from_iterator(CORPUS, trainer)
+    backend.add_special_tokens([AddedToken("<|im_end|>", special=True)])
+    return wrap(backend)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece() -> Tokenizer:
+    return wrap(build_gguf_tokenizer(spm_metadata(), Path("spm.gguf")))
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], prompt_ids: list[int] = ()) -> list[str]:
+    detok = tokenizer.detokenizer(prompt_ids)
+    return [detok.push(token_id) for token_id in ids] + [detok.flush()]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_pushes_are_whole_characters_and_join_to_the_decode(kind, text, request):
+    tokenizer = request.getfixturevalue(kind)
+    ids = tokenizer.encode(text)
+    pieces = stream(tokenizer, ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert pieces[-1] == ""
+    if any(ord(c) > 127 for c in text):  # the split this is about really happens
+        assert any("\ufffd" in tokenizer.decode([token_id]) for token_id in ids)
+
+
+def test_byte_level_cjk_comes_out_with_its_last_byte(byte_level):
+    ids = byte_level.encode("日本")
+    assert len(ids) == 6
+    assert stream(byte_level, ids) == ["", "", "日", "", "", "本", ""]
+
+
+def test_byte_fallback_emoji_comes_out_with_its_last_byte(sentencepiece):
+    ids = sentencepiece.encode("a🤗")
+    assert [sentencepiece.id_to_token(i) for i in ids] == ["▁a", "<0xF0>", "<0x9F>", "<0xA4>", "<0x97>"]
+    assert stream(sentencepiece, ids) == ["a", "", "", "", "🤗", ""]
+
+
+def test_an_unfinished_character_is_flushed_as_decode_gives_it(byte_level):
+    ids = byte_level.encode("ok日")[:-1]
+    pieces = stream(byte_level, ids)
+    assert pieces[-1] == "\ufffd"
+    assert "".join(pieces) == byte_level.decode(ids) == "ok\ufffd"
+
+
+def test_special_tokens_give_no_text(byte_level):
+    end = byte_level.token_to_id("<|im_end|>")
+    ids = byte_level.encode("hello") + [end]
+    assert stream(byte_level, ids)[-2:] == ["", ""]
+    assert "".join(stream(byte_level, ids)) == "hello"
+
+
+def test_prompt_ids_give_the_first_token_its_leading_space(sentencepiece):
+    world = sentencepiece.encode("hello world")[-1]
+    assert sentencepiece.id_to_token(world) == "▁world"
+    assert stream(sentencepiece, [world]) == ["world", ""]
+    assert stream(sentencepiece, [world], prompt_ids=sentencepiece.encode("hello")) == [" world", ""]
+
+
+def test_every_ascii_token_is_given_out_as_it_comes(byte_level):
+    detok = IncrementalDetokenizer(byte_level.decode)
+    ids = byte_level.encode("the quick brown fox " * 50)
+    pieces = [detok.push(token_id) for token_id in ids]
+    assert pieces == [byte_level.decode([token_id]) for token_id in ids]
+    assert detok.flush() == ""
+
+
+TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=24)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=TEXT)
+def test_any_text_streams_back_to_its_decode(byte_level, sentencepiece, text):
+    for tokenizer in (byte_level, sentencepiece):
+        ids = tokenizer.encode(text)
+        pieces = stream(tokenizer, ids)
+        assert not any("\ufffd" in piece for piece in pieces)
+        assert "".join(pieces) == tokenizer.decode(ids)
