@@ -58,15 +58,15 @@ def run(decoder, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: in
     return prompt_out, step_logits, sequences
 
 
-def reference(model, prompt_ids: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]], steps: int):
+def reference(model, prompt_ids: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]], steps: int, device: str = "cpu"):
     """transformers' logits for the same rows: each prompt's rows, and each decode step's last row."""
     with torch.no_grad():
-        prompt_out = [model(torch.tensor([p])).logits[0].float() for p in prompt_ids]
+        prompt_out = [model(torch.tensor([p], device=device)).logits[0].float() for p in prompt_ids]
         step_logits = []
         for step in range(steps):
-            rows = [model(torch.tensor([s[: len(p) + step + 1]])).logits[0, -1] for p, s in zip(prompt_ids, sequences)]
+            rows = [model(torch.tensor([s[: len(p) + step + 1]], device=device)).logits[0, -1] for p, s in zip(prompt_ids, sequences)]
             step_logits.append(torch.stack(rows).float())
         model.generation_config.eos_token_id = None  # the scenario decodes through end-of-sequence tokens
-        greedy = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+        greedy = [model.generate(torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                                  max_new_tokens=steps, do_sample=False, pad_token_id=0)[0].tolist() for p in prompt_ids]
     return prompt_out, step_logits, greedy

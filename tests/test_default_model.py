@@ -1,0 +1,56 @@
+"""The default model end to end: SmolLM2-135M-Instruct's Q4_1 GGUF, fetched by the README's test command.
+
+Rules: fp32 on the CPU; the model is loaded once for the module; logits within 1e-4 of transformers'
+GGUF loader on the same file; the greedy answer is the one transformers gives.
+"""
+
+import pytest
+import torch
+import trio
+
+from lanes.generate import greedy
+from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.passes import Piece
+from lanes.gpu.device import CpuRunner, choose
+from lanes.loader import load_model
+from lanes.models import resolve_model
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(resolve_model(None), choose("cpu", "fp32"), kv_blocks=256, quiet=True)
+
+
+def test_family_and_shape(smollm2):
+    config = smollm2.config
+    assert (config.family, config.layers, config.hidden_size, config.heads, config.kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (config.vocab_size, config.tie_embeddings) == (49152, True)
+
+
+async def test_greedy_chat_answer(smollm2):
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
+    with trio.fail_after(120):
+        tokens = [t async for t in greedy(smollm2, CpuRunner(), prompt, 32)]
+    assert tokens[-1] in tokenizer.eos_ids
+    assert tokenizer.decode(tokens) == "The capital of France is Paris."
+
+
+def test_logits_equal_transformers_gguf_loader(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model(None)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
+    pool = BlockPool(smollm2.kv_blocks)
+    table = BlockTable(("lane", 0))
+    table.grow(pool, len(prompt))
+    ours = smollm2.decoder.prefill_many([Piece(0, tuple(prompt), 0, tuple(table.blocks), "all")])
+    with torch.no_grad():
+        theirs = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    table.clear(pool)
+    pool.check_integrity()
