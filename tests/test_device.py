@@ -107,14 +107,20 @@ def test_family_on_cuda_fp32_equals_transformers(kind, overrides, tmp_path):
 
 
 @needs_cuda
-def test_family_on_cuda_bf16_is_close_to_transformers_bf16(tmp_path):
-    reference = tiny.build("qwen2", tmp_path, hidden_size=128, intermediate_size=256).to("cuda", torch.bfloat16)
+def test_family_on_cuda_bf16_errs_no_more_than_transformers_bf16(tmp_path):
+    """Both bf16 runs against an fp32 reference: ours within METHOD's bf16 band and no worse than theirs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    exact = tiny.build("qwen2", tmp_path, hidden_size=128, intermediate_size=256).to("cuda")
     model = load_model(tmp_path, choose("cuda", "bf16"), kv_blocks=64, quiet=True)
     pool = BlockPool(model.kv_blocks)
     prompt_ids = scenario.prompts(model.config.vocab_size)
     ours = scenario.run(model.decoder, pool, prompt_ids, steps=4)
-    theirs = scenario.reference(reference, prompt_ids, ours[2], steps=4, device="cuda")
-    for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
-        relative = ((mine.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert relative < 1e-2, relative
+    fp32 = scenario.reference(exact, prompt_ids, ours[2], steps=4, device="cuda")
+    theirs = scenario.reference(exact.to(torch.bfloat16), prompt_ids, ours[2], steps=4, device="cuda")
+
+    def error(rows):
+        return max(((r.float() - f).norm() / f.norm()).item() for r, f in zip(rows, fp32[0] + fp32[1]))
+
+    ours_error, theirs_error = error(ours[0] + ours[1]), error(theirs[0] + theirs[1])
+    assert ours_error < 2e-2 and ours_error <= 1.25 * theirs_error, (ours_error, theirs_error)
     pool.check_integrity()

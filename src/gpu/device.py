@@ -106,7 +106,7 @@ class CudaRunner:
         self.stream = self.device.create_stream()
         # torch: launches on the stream made by cuda-python
         self.torch_stream = torch.cuda.ExternalStream(int(self.stream.handle), device=torch.device("cuda", index))
-        self._event_options = EventOptions(enable_timing=False, busy_waited_sync=False)
+        self._event_options = EventOptions(timing_enabled=False, blocking_sync=True)  # the waiting thread sleeps, not spins
         self._launcher = trio.CapacityLimiter(1)
         self._waiter = trio.CapacityLimiter(1)
 
