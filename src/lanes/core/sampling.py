@@ -1,0 +1,357 @@
+"""Next tokens for one pass: sampling parameters, penalties, filters and seeded draws, batched on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 4
+NEG_INF = float("-inf")
+
+# splitmix64 (Steele, Lea and Flood; Vigna's splitmix64.c): the increment and the two finalizer multipliers.
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+
+
+class InvalidParameter(ValueError):
+    """A sampling parameter outside its range: `param` names it, the message is one sentence."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling parameters, with OpenAI's names and ranges (and vLLM's extras)."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine draws one per request (`with_seed`)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = None  # None: up to the model's length
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20
+    prompt_logprobs: bool = False  # logprobs of every prompt token (completions with echo)
+
+    def validate(self) -> None:
+        """Raises InvalidParameter for the first parameter outside its range (NaN is outside every range)."""
+        checks = (
+            ("temperature", 0 <= self.temperature <= 2, "temperature must be between 0 and 2"),
+            ("top_p", 0 < self.top_p <= 1, "top_p must be greater than 0 and at most 1"),
+            ("top_k", self.top_k >= 0, "top_k must be 0 (off) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "min_p must be between 0 and 1"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
+            ("repetition_penalty", self.repetition_penalty > 0, "repetition_penalty must be greater than 0"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs must be between 0 and 20"),
+            ("top_logprobs", self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs to be true"),
+            ("stop", len(self.stop) <= MAX_STOPS, "stop may hold at most 4 strings"),
+            ("stop", all(self.stop), "stop strings must not be empty"),
+        )
+        for param, ok, message in checks:
+            if not ok:
+                raise InvalidParameter(param, message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return dataclasses.replace(self, seed=seed)
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Whether the sampler reads this request's token history (its lane must be bound in PenaltyState)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One logits row of a pass: its lane, its request's parameters, and how many tokens the stream has
+    produced before this one (with the seed, `step` fixes the draw whatever else is in the batch)."""
+
+    lane: int
+    params: SamplingParams
+    step: int
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A pass's draws, on the device. Logprobs are of the model's raw distribution (log_softmax of the
+    unprocessed logits); K is the largest `top_logprobs` over the rows (0 when none asks)."""
+
+    tokens: Tensor  # [R] int64
+    logprobs: Tensor  # [R] float32
+    top_ids: Tensor  # [R, K] int64
+    top_logprobs: Tensor  # [R, K] float32
+
+
+@dataclass(frozen=True)
+class HostSampled:
+    """A pass's draws on the host; `top[r]` holds row r's first `top_logprobs` alternatives, best first."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
+class PenaltyState:
+    """Each bound lane's prompt tokens and output counts, on the device, for the penalties.
+
+    Only lanes whose request `needs_penalties` are bound; the [lanes, vocab] tensors are allocated at the
+    first bind, so a server whose requests never use penalties holds none. A lane is bound at most once
+    until it is unbound; `bind` starts it afresh.
+    """
+
+    def __init__(self, lanes: int, vocab: int, device: torch.device | str) -> None:
+        self.lanes = lanes
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self._bound: set[int] = set()
+        self._prompt: Tensor | None = None  # [lanes, vocab] bool: the token is in the lane's prompt
+        self._counts: Tensor | None = None  # [lanes, vocab] int32: times the lane has produced the token
+        self._weight: Tensor | None = None  # [lanes] int32: 1 for bound lanes, so `record` skips the others
+
+    @property
+    def allocated(self) -> bool:
+        return self._counts is not None
+
+    def is_bound(self, lane: int) -> bool:
+        return lane in self._bound
+
+    def bind(self, lane: int, prompt_ids: Sequence[int]) -> None:
+        """Starts `lane`'s history: output counts zero, prompt mask = the tokens of `prompt_ids`."""
+        if not 0 <= lane < self.lanes:
+            raise ValueError(f"lane {lane} is outside 0..{self.lanes - 1}")
+        if lane in self._bound:
+            raise ValueError(f"lane {lane} is already bound")
+        if self._counts is None:
+            self._prompt = torch.zeros(self.lanes, self.vocab, dtype=torch.bool, device=self.device)
+            self._counts = torch.zeros(self.lanes, self.vocab, dtype=torch.int32, device=self.device)
+            self._weight = torch.zeros(self.lanes, dtype=torch.int32, device=self.device)
+        self._prompt[lane] = False
+        self._counts[lane] = 0
+        # Ids past the logits (a tokenizer smaller than the padded vocabulary) can never be penalised.
+        ids = [token for token in prompt_ids if 0 <= token < self.vocab]
+        if ids:
+            self._prompt[lane, torch.tensor(ids, dtype=torch.int64, device=self.device)] = True
+        self._weight[lane] = 1
+        self._bound.add(lane)
+
+    def unbind(self, lane: int) -> None:
+        if lane not in self._bound:
+            raise ValueError(f"lane {lane} is not bound")
+        self._bound.discard(lane)
+        self._weight[lane] = 0
+
+    def record(self, lanes: Tensor, tokens: Tensor) -> None:
+        """Adds each token to its lane's output counts, on the device without a host sync; lanes that
+        are not bound are skipped. lanes, tokens: [R] int64 on the state's device."""
+        if self._counts is None:
+            return
+        self._counts.index_put_((lanes, tokens), self._weight[lanes], accumulate=True)
+
+    def counts(self, lanes: Tensor) -> Tensor:
+        """lanes: [P] int64 -> [P, vocab] int32, how often each lane has produced each token."""
+        if self._counts is None:
+            raise ValueError("no lane has been bound")
+        return self._counts.index_select(0, lanes)
+
+    def prompt_mask(self, lanes: Tensor) -> Tensor:
+        """lanes: [P] int64 -> [P, vocab] bool, the tokens in each lane's prompt."""
+        if self._prompt is None:
+            raise ValueError("no lane has been bound")
+        return self._prompt.index_select(0, lanes)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the device flags match the bound set and no count is negative."""
+        if self._counts is None:
+            assert not self._bound, "lanes bound without allocated state"
+            return
+        flagged = set(self._weight.nonzero().flatten().tolist())
+        assert flagged == self._bound, f"device flags {sorted(flagged)} != bound lanes {sorted(self._bound)}"
+        assert bool((self._counts >= 0).all()), "a negative output count"
+
+
+def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None) -> Tensor:
+    """The logits each row draws from: [R, V] any float dtype -> [R, V] float32, -inf where masked.
+
+    In transformers' and vLLM's order: repetition penalty on prompt and output tokens, presence and
+    frequency penalties on output counts, temperature, top_k, top_p, min_p. Greedy rows get the penalties
+    only (no temperature, no filters): the sampler takes their argmax.
+    """
+    scores = logits.float()
+    if len(rows) != scores.shape[0]:
+        raise ValueError(f"{len(rows)} rows for {scores.shape[0]} logits rows")
+    scores = _penalise(scores, rows, penalties)
+    vocab, device = scores.shape[1], scores.device
+    # Neutral values where a filter is off, so one batched op serves every row.
+    floats = [(1.0, -1.0, 0.0) if row.params.greedy else _warp(row.params) for row in rows]
+    top_k = [vocab if row.params.greedy or row.params.top_k == 0 else min(row.params.top_k, vocab) for row in rows]
+    table = torch.tensor(floats, dtype=torch.float32, device=device).reshape(len(rows), 3)
+    temperature, top_p_floor, min_p = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # each [R, 1] float32
+    scores = scores / temperature
+    if any(k < vocab for k in top_k) or any(f[1] >= 0 for f in floats):
+        kth_from_end = torch.tensor(top_k, dtype=torch.int64, device=device)[:, None]  # [R, 1]
+        scores = _top_k_top_p(scores, vocab - kth_from_end, top_p_floor)
+    if any(f[2] > 0 for f in floats):
+        probs = scores.softmax(dim=-1)
+        scores = scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), NEG_INF)
+    return scores
+
+
+def _warp(params: SamplingParams) -> tuple[float, float, float]:
+    # 1 - top_p in double, then float32, as transformers compares it; -1 turns top_p off (a cumulative
+    # probability of 0 would otherwise drop underflowed tokens, and transformers skips top_p = 1).
+    floor = 1.0 - params.top_p if params.top_p < 1 else -1.0
+    return (params.temperature, floor, params.min_p)
+
+
+def _penalise(scores: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None) -> Tensor:
+    """scores: [R, V] float32 -> the same with the penalties of the rows that use them."""
+    picked = [i for i, row in enumerate(rows) if row.params.needs_penalties]
+    if not picked:
+        return scores
+    for i in picked:
+        if penalties is None or not penalties.is_bound(rows[i].lane):
+            raise ValueError(f"lane {rows[i].lane} uses penalties but is not bound")
+    device = scores.device
+    index = torch.tensor(picked, dtype=torch.int64, device=device)  # [P]
+    lanes = torch.tensor([rows[i].lane for i in picked], dtype=torch.int64, device=device)  # [P]
+    params = [rows[i].params for i in picked]
+    values = [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params]
+    table = torch.tensor(values, dtype=torch.float32, device=device)  # [P, 3]
+    repetition, frequency, presence = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # each [P, 1]
+    counts = penalties.counts(lanes)  # [P, V] int32
+    produced = counts > 0
+    sub = scores.index_select(0, index)  # [P, V] float32
+    # transformers' RepetitionPenaltyLogitsProcessor: shrink positive logits, push negative ones down.
+    penalised = torch.where(sub < 0, sub * repetition, sub / repetition)
+    sub = torch.where(penalties.prompt_mask(lanes) | produced, penalised, sub)
+    # OpenAI's formula: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence.
+    sub = sub - counts.float() * frequency - produced.float() * presence
+    return scores.index_copy(0, index, sub)
+
+
+def _top_k_top_p(scores: Tensor, kth_position: Tensor, top_p_floor: Tensor) -> Tensor:
+    """scores: [R, V] float32; kth_position: [R, 1] int64, where the k-th largest sits in ascending order;
+    top_p_floor: [R, 1] float32. transformers' TopK then TopP warpers, sharing one sort."""
+    ascending, order = scores.sort(dim=-1)  # [R, V] each
+    cut = ascending < ascending.gather(1, kth_position)
+    # Masked before the softmax, as transformers' top_p sees top_k's output; the order is unchanged.
+    cumulative = ascending.masked_fill(cut, NEG_INF).softmax(dim=-1).cumsum(dim=-1)
+    cut |= cumulative <= top_p_floor
+    cut[:, -1] = False  # the best token always stays
+    return scores.masked_fill(cut.scatter(1, order, cut), NEG_INF)
+
+
+def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None) -> Sampled:
+    """Every row's next token. logits: [R, V] any float dtype, on the device; no host sync.
+
+    Greedy rows take the argmax of the penalised logits. Other rows draw by the exponential race over
+    `process`'s logits with uniforms hashed from (seed, step, token id), so a seeded stream gets the same
+    token in any batch, in any row order, on every call. Non-greedy rows need a seed (`with_seed`).
+    """
+    raw = logits.float()  # [R, V] float32
+    scores = process(raw, rows, penalties)
+    tokens = scores.argmax(dim=-1)  # [R] int64; greedy rows keep these
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        index = torch.tensor(drawn, dtype=torch.int64, device=raw.device)  # [S]
+        keys = torch.tensor([stream_key(rows[i]) for i in drawn], dtype=torch.int64, device=raw.device)  # [S]
+        tokens = tokens.index_copy(0, index, race(scores.index_select(0, index), keys))
+    logprobs = torch.log_softmax(raw, dim=-1)  # [R, V] float32
+    k = max((row.params.top_logprobs for row in rows), default=0)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def stream_key(row: RowSampling) -> int:
+    """The row's splitmix64 state, from its seed and step, as a signed int64."""
+    if row.params.seed is None:
+        raise ValueError(f"lane {row.lane} samples without a seed")
+    return _signed(_splitmix64_int(_splitmix64_int(row.params.seed & MASK64) ^ (row.step & MASK64)))
+
+
+def _splitmix64_int(z: int) -> int:
+    """splitmix64's finalizer on a Python int, wrapping at 64 bits as `splitmix64` does on tensors."""
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >> 63 else value
+
+
+def splitmix64(z: Tensor) -> Tensor:
+    """splitmix64's finalizer on int64 tensors (wrapping multiplies; masks make the shifts logical)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _signed(MIX1)
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _signed(MIX2)
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def uniforms(keys: Tensor, vocab: int) -> Tensor:
+    """keys: [S] int64 -> [S, vocab] float64 in (0, 1): output t+1 of the splitmix64 stream seeded with
+    each key for token t, its top 53 bits plus one half, over 2^53."""
+    counter = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(GOLDEN)  # [vocab]
+    bits = splitmix64(keys[:, None] + counter)  # [S, vocab] int64
+    return (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0**-53
+
+
+def race(scores: Tensor, keys: Tensor) -> Tensor:
+    """The exponential race: argmax of p / E with E = -log(u) exponential, i.e. of logits - log(E).
+    scores: [S, V] float32, -inf never wins; keys: [S] int64 -> [S] int64 token ids.
+    Float64 noise keeps near-ties from depending on how a kernel rounds a row."""
+    exponential = -torch.log(uniforms(keys, scores.shape[1]))  # [S, V] float64, > 0
+    return (scores.double() - torch.log(exponential)).argmax(dim=-1)
+
+
+def read_back(sampled: Sampled, rows: Sequence[RowSampling]) -> HostSampled:
+    """What the host needs from a pass's draws, through one device-to-host copy: the pass's one host sync.
+
+    Tokens and top ids (int64) and the logprobs (float32, viewed as int64 pairs) travel in one tensor;
+    row r keeps `rows[r].params.top_logprobs` alternatives.
+    """
+    r, k = sampled.top_ids.shape
+    n = r + r * k
+    ints = torch.cat([sampled.tokens, sampled.top_ids.reshape(-1)])  # [n] int64
+    floats = torch.cat([sampled.logprobs, sampled.top_logprobs.reshape(-1)])  # [n] float32
+    if n % 2:
+        floats = torch.cat([floats, floats.new_zeros(1)])
+    packed_cpu = torch.cat([ints, floats.view(torch.int64)]).cpu()  # the one sync
+    ints_cpu, floats_cpu = packed_cpu[:n], packed_cpu[n:].view(torch.float32)[:n]
+    ids = ints_cpu[r:].reshape(r, k).tolist()
+    values = floats_cpu[r:].reshape(r, k).tolist()
+    wanted = [row.params.top_logprobs for row in rows]
+    top = [list(zip(ids[i][: wanted[i]], values[i][: wanted[i]])) for i in range(r)]
+    return HostSampled(tokens=ints_cpu[:r].tolist(), logprobs=floats_cpu[:r].tolist(), top=top)
+
+
+def prompt_logprobs(logits: Tensor, targets: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Each prompt token's logprob given the rows before it, from the raw distribution.
+
+    logits: [N, V] any float dtype, row i predicting targets[i]; targets: [N] int64 ->
+    (logprobs [N] float32, top ids [N, top] int64, top logprobs [N, top] float32).
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V] float32
+    values, ids = logprobs.topk(top, dim=-1)
+    return logprobs.gather(1, targets[:, None]).squeeze(1), ids, values
