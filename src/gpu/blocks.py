@@ -174,6 +174,10 @@ class BlockTable:
         self.blocks += pool.allocate(self.owner, self.blocks_to_grow(new_tokens, pool.block_size))
         self.tokens += new_tokens
 
+    def reserve(self, pool: BlockPool, capacity: int) -> None:
+        """Hold enough blocks for `capacity` tokens (raises PoolExhausted, taking nothing, when it can't)."""
+        self.blocks += pool.allocate(self.owner, max(0, blocks_for(capacity, pool.block_size) - len(self.blocks)))
+
     def adopt(self, pool: BlockPool, blocks: Iterable[int], tokens: int) -> None:
         """Start from shared blocks holding `tokens` tokens (a restored prefix): forked, not copied."""
         if self.blocks:

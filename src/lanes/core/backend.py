@@ -1,0 +1,76 @@
+"""The one protocol between the lane core and whatever runs its passes (a family on a device, the fake).
+
+Every wrapper around a backend (checks, tensor-parallel broadcast) derives from `BackendWrapper`, which
+forwards every entry; the test that walks this protocol's members makes sure none is ever dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+from .plan import PassResult, Plan
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BackendShape:
+    """What the lane core must know of a backend to plan for it."""
+
+    lanes: int
+    blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Runs passes; keeps per-lane device state (penalty counts) between `bind` and `unbind`.
+
+    Block ids come from the lane core's `BlockPool`; forking and releasing blocks is bookkeeping there and
+    needs nothing from the device, because lanes share only full blocks and never write into them.
+    """
+
+    @property
+    def shape(self) -> BackendShape: ...
+
+    async def step(self, plan: Plan) -> PassResult:
+        """Run one pass. Not cancellable midway: the device writes KV into the plan's blocks until it ends."""
+        ...
+
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        """A stream takes `lane`: reset the lane's per-stream device state for this prompt."""
+        ...
+
+    def unbind(self, lane: int) -> None:
+        """The lane is free again."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+BACKEND_ENTRIES = ("shape", "step", "bind", "unbind", "aclose")
+
+
+class BackendWrapper:
+    """Forwards every entry of `Backend` to `inner`; subclasses override the entries they add to."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    @property
+    def shape(self) -> BackendShape:
+        return self.inner.shape
+
+    async def step(self, plan: Plan) -> PassResult:
+        return await self.inner.step(plan)
+
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        self.inner.bind(lane, prompt, sampling)
+
+    def unbind(self, lane: int) -> None:
+        self.inner.unbind(lane)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -1,0 +1,82 @@
+"""The lane core's mailbox: the commands handlers send, and the one-shot replies they await."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import trio
+
+from .stream import EngineError, Request
+
+
+class WarmCancelled(EngineError):
+    """A warm pass yielded to a newer request (or to shutdown) before it finished."""
+
+    def __init__(self) -> None:
+        super().__init__("the warm pass yielded to a newer request")
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """A finished warm pass: the prompt's full blocks, now held by `owner` (the receiver releases them)."""
+
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+    owner: Hashable
+
+
+class Reply:
+    """A one-shot answer. Set by the lane core's inbox or pass loop; awaited by the one handler that asked."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()  # set by the lane core once, with a value or an error
+        self.value: Any = None
+        self.error: Exception | None = None
+        self.delivered = False
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self._done.set()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self._done.set()
+
+    async def wait(self) -> Any:
+        await self._done.wait()
+        if self.error is not None:
+            raise self.error
+        self.delivered = True
+        return self.value
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: Request
+    reply: Reply = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class Warm:
+    prompt: tuple[int, ...]
+    reply: Reply = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Adopt:
+    request: Request
+    blocks: tuple[int, ...]
+    owner: Hashable
+    first_token: int
+    reply: Reply = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    grace: float

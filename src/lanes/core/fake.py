@@ -1,0 +1,114 @@
+"""A deterministic toy backend (no torch) for exact scheduler tests and fuzzing.
+
+It keeps a token in every KV slot a pass writes, and draws each next token from the whole context read
+back through the lane's block table: a wrong block, position or order changes the output, so "concurrent
+equals solo" is a real check of the lane core's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import trio
+
+from .backend import BackendShape
+from .plan import PassResult, Plan, Sampled, TargetLogprobs
+from .sampling import SamplingParams
+from .stops import StopStrings
+
+EOS = 1
+
+
+def _mix(*numbers: int) -> int:
+    digest = hashlib.blake2b(repr(numbers).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass
+class FakeBackend:
+    """`pass_seconds` of (trio) time a pass; `fail_at` makes that pass number raise, to test a lost device."""
+
+    lanes: int = 4
+    blocks: int = 64
+    vocab: int = 50
+    max_model_len: int = 512
+    pass_seconds: float = 0.0
+    fail_at: int | None = None
+    plans: list[Plan] = field(default_factory=list)
+    bound: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)
+    block_size: int = 16
+
+    @property
+    def shape(self) -> BackendShape:
+        return BackendShape(self.lanes, self.blocks, self.block_size, self.vocab, self.max_model_len)
+
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        if lane in self.bound:
+            raise AssertionError(f"lane {lane} bound twice")
+        self.bound[lane] = tuple(prompt)
+
+    def unbind(self, lane: int) -> None:
+        if self.bound.pop(lane, None) is None:
+            raise AssertionError(f"lane {lane} unbound while free")
+
+    async def aclose(self) -> None:
+        self.bound.clear()
+
+    async def step(self, plan: Plan) -> PassResult:
+        self.plans.append(plan)
+        if self.fail_at is not None and len(self.plans) == self.fail_at:
+            raise RuntimeError("the fake device was lost")
+        if self.pass_seconds:
+            await trio.sleep(self.pass_seconds)
+        else:
+            await trio.lowlevel.checkpoint()
+        sampled, logprobs = [], []
+        for work in plan.work:
+            piece = work.piece
+            for offset, token in enumerate(piece.tokens):
+                self.slots[self._slot(piece.blocks, piece.start + offset)] = token
+            context = [self.slots[self._slot(piece.blocks, p)] for p in range(piece.end)]
+            sampled.append(self._draw(context, work) if work.sample else None)
+            logprobs.append(self._target_logprobs(context, work) if work.targets else None)
+        return PassResult(tuple(sampled), tuple(logprobs))
+
+    def _slot(self, blocks: Sequence[int], position: int) -> int:
+        block = blocks[position // self.block_size]
+        if not 0 <= block < self.blocks:
+            raise AssertionError(f"block {block} is outside the pool")
+        return block * self.block_size + position % self.block_size
+
+    def _draw(self, context: list[int], work) -> Sampled:
+        params, step = work.sample.params, work.sample.step
+        salt = (0, 0) if params.greedy else (params.seed, step)
+        token = _mix(*context, *salt) % self.vocab
+        top = tuple((t, -0.1 * (i + 1)) for i, t in enumerate(range(params.top_logprobs)))
+        return Sampled(token, -0.25 if params.logprobs else None, top)
+
+    def _target_logprobs(self, context: list[int], work) -> TargetLogprobs:
+        start = work.piece.start
+        values = tuple(-((_mix(*context[: start + i + 1], t) % 100) / 10) for i, t in enumerate(work.targets))
+        top = tuple(tuple((k, -0.05 * (k + 1)) for k in range(work.top)) for _ in work.targets)
+        return TargetLogprobs(values, top)
+
+
+class FakeText:
+    """Text for fake tokens ("t12 "), with stop strings held back as the real assembler does."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = StopStrings(stops)
+        self.stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        text, self.stopped = self.stops.push(f"t{token} ")
+        return text, self.stopped
+
+    def finish(self) -> str:
+        return "" if self.stopped else self.stops.flush()
+
+
+def fake_text(prompt: Sequence[int], sampling: SamplingParams) -> FakeText:
+    return FakeText(sampling.stop)

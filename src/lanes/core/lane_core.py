@@ -1,0 +1,472 @@
+"""The lane core: one Trio actor that owns the lanes, their jobs and block tables, and runs the pass loop.
+
+Handlers talk to it through its mailbox (`submit`, `cancel`, `warm`, `adopt_prefilled`, `shutdown`); the
+inbox task answers at once, the pass loop admits work at pass boundaries: plan, run the pass on the
+backend, apply, free what finished, admit what waits.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import trio
+
+from ..gpu.blocks import BlockPool, BlockTable, blocks_for
+from . import schedule
+from .backend import Backend
+from .commands import Adopt, Cancel, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
+from .sampling import InvalidParameter, SamplingParams
+from .schedule import Job, Limits, Phase
+from .stream import BackendFailed, EngineError, Failed, Finished, PromptTooLong, QueueFull, QueueTimeout, Request, ShuttingDown, Stream, TokenEvent
+
+TextFactory = Callable[[Sequence[int], SamplingParams], object]
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """A snapshot for /metrics and /v1/info."""
+
+    lanes: int
+    lanes_busy: int
+    lanes_free: int
+    queued: int
+    max_queue: int
+    max_rows: int
+    passes: int
+    prefill_rows: int
+    decode_rows: int
+    tokens_out: int
+    streams_admitted: int
+    streams_finished: int
+    streams_cancelled: int
+    blocks_total: int
+    blocks_free: int
+
+
+class IntegrityError(AssertionError):
+    """The lane core's bookkeeping is broken: a bug, never a user error."""
+
+
+class LaneCore:
+    """Continuous batching over `backend.shape.lanes` lanes. Start it with `await nursery.start(core.run)`."""
+
+    def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
+                 max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None) -> None:
+        shape = backend.shape
+        self.backend = backend
+        self.pool = BlockPool(shape.blocks, shape.block_size)
+        self.limits = Limits(max_rows=max_rows)
+        self.max_queue = max_queue
+        self.max_model_len = shape.max_model_len
+        self.lanes: list[Job | None] = [None] * (lanes or shape.lanes)
+        self._text = text
+        self._stop_ids = frozenset(stop_ids)
+        self._seeds = seeds or (lambda: secrets.randbits(63))
+        self._queue: deque[Job] = deque()  # streams waiting for a lane, in arrival order
+        self._warm: deque[tuple[Job, Reply]] = deque()  # warm passes waiting for a quiet engine
+        self._warm_running: dict[int, Reply] = {}
+        self._jobs: dict[int, Job] = {}  # every job not yet answered, by id
+        self._channels: dict[int, trio.MemorySendChannel] = {}
+        self._next_id = 1
+        self._step = 0
+        self._closing = False
+        self._grace_deadline = math.inf
+        self._stopped = trio.Event()  # set by run() when the pass loop has ended
+        self._wake = trio.Event()  # set by the inbox and by timers: the pass loop has something to look at
+        self._queue_changed = trio.Event()  # set when the queue's deadlines may have changed
+        self._inbox_send, self._inbox = trio.open_memory_channel(math.inf)
+        self._counts = dict(passes=0, prefill_rows=0, decode_rows=0, tokens_out=0, admitted=0, finished=0, cancelled=0)
+
+    # ---- the mailbox (called by handlers) ----
+
+    async def submit(self, request: Request) -> Stream:
+        """Queue a stream; raises QueueFull, PromptTooLong, InvalidParameter or ShuttingDown at once."""
+        return await self._ask(Submit(request, Reply()))
+
+    def cancel(self, stream_id: int) -> None:
+        """Stop a stream (idempotent): a queued one is removed, a live one frees its lane at the next boundary."""
+        self._send(Cancel(stream_id))
+
+    async def warm(self, prompt: Sequence[int]) -> WarmResult:
+        """Prefill `prompt` when the engine is quiet; raises WarmCancelled if a newer request comes first."""
+        return await self._ask(Warm(tuple(prompt), Reply()))
+
+    async def adopt_prefilled(self, request: Request, blocks: Sequence[int], owner, first_token: int) -> Stream:
+        """Take over a stream whose prompt a driver prefilled into `blocks` (held by `owner`, handed over here)."""
+        return await self._ask(Adopt(request, tuple(blocks), owner, first_token, Reply()))
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop admission, fail what waits, let live streams finish for `grace` seconds; returns once stopped."""
+        self._send(Shutdown(grace))
+        await self._stopped.wait()
+
+    def _send(self, command) -> None:
+        try:
+            self._inbox_send.send_nowait(command)
+        except trio.ClosedResourceError:
+            raise ShuttingDown() from None
+
+    async def _ask(self, command):
+        reply = command.reply
+        self._send(command)
+        try:
+            return await reply.wait()
+        finally:
+            if reply.value is not None and not reply.delivered:
+                # The asker was cancelled after the core had answered: nobody will read the stream.
+                if isinstance(reply.value, Stream):
+                    self.cancel(reply.value.id)
+                elif isinstance(reply.value, WarmResult):
+                    self.pool.release(reply.value.owner)
+
+    # ---- the actor ----
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run until shut down; raises BackendFailed (after failing every waiter) if a pass fails."""
+        failure: BackendFailed | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._inbox_loop)
+                nursery.start_soon(self._deadline_loop)
+                task_status.started(self)
+                try:
+                    failure = await self._pass_loop()
+                finally:
+                    nursery.cancel_scope.cancel()
+            if failure is not None:
+                raise failure from failure.__cause__
+        finally:
+            self._closing = True
+            self._inbox_send.close()
+            self._fail_all(ShuttingDown())
+            self._refuse_unread_commands()
+            self._stopped.set()
+
+    def _refuse_unread_commands(self) -> None:
+        while True:
+            try:
+                command = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            reply = getattr(command, "reply", None)
+            if reply is not None:
+                reply.fail(ShuttingDown())
+
+    async def _inbox_loop(self) -> None:
+        async for command in self._inbox:
+            handle = getattr(self, f"_on_{type(command).__name__.lower()}")
+            handle(command)
+            self._wake.set()
+
+    async def _pass_loop(self) -> BackendFailed | None:
+        while True:
+            self._boundary()
+            if self._closing and not any(self.lanes) and not self._queue and not self._warm:
+                return None
+            jobs = sorted((j for j in self.lanes if j is not None), key=lambda j: j.id)
+            plan = schedule.plan(self._step, jobs, self.limits)
+            if not plan.work:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            self._step += 1
+            try:
+                with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
+                    result = await self.backend.step(plan)
+            except Exception as error:
+                failure = BackendFailed(error)
+                failure.__cause__ = error
+                self._fail_all(failure)
+                return failure
+            self._count(plan)
+            events = schedule.apply(plan, result, {j.lane: j for j in jobs}, self._stop_ids)
+            for job, event in events:
+                self._deliver(job, event)
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            self._queue_changed = trio.Event()
+            earliest = min((j.deadline for j in self._queue), default=math.inf)
+            with trio.move_on_at(min(earliest, self._grace_deadline)):
+                await self._queue_changed.wait()
+                continue
+            now = trio.current_time()
+            for job in [j for j in self._queue if j.deadline <= now]:
+                self._queue.remove(job)
+                self._answer(job, Failed(QueueTimeout()))
+            if now >= self._grace_deadline:
+                self._grace_deadline = math.inf
+                for job in self.lanes:
+                    if job is not None and job.outcome is None:
+                        self._answer(job, Failed(ShuttingDown()))
+            self._wake.set()
+
+    # ---- commands (run by the inbox task, between checkpoints) ----
+
+    def _on_submit(self, command: Submit) -> None:
+        try:
+            job = self._new_job(command.request)
+        except (EngineError, InvalidParameter) as error:
+            command.reply.fail(error)
+            return
+        if self._closing:
+            command.reply.fail(ShuttingDown())
+            return
+        if len(self._queue) >= self.max_queue:
+            command.reply.fail(QueueFull(len(self._queue)))
+            return
+        self._yield_warm()
+        command.reply.set(self._open(job))
+        self._queue.append(job)
+        self._queue_changed.set()
+
+    def _on_adopt(self, command: Adopt) -> None:
+        try:
+            job = self._new_job(command.request)
+        except (EngineError, InvalidParameter) as error:
+            command.reply.fail(error)
+            return
+        free = [i for i, j in enumerate(self.lanes) if j is None]
+        need = blocks_for(job.limit - 1, self.pool.block_size) - len(command.blocks)
+        if self._closing or not free or not self.pool.can_allocate(need):
+            command.reply.fail(ShuttingDown() if self._closing else QueueFull(len(self._queue)))
+            return
+        self._yield_warm()
+        stream = self._open(job)
+        table = self._bind(job, free[0])
+        table.adopt(self.pool, command.blocks, len(command.blocks) * self.pool.block_size)
+        self.pool.release(command.owner)
+        table.reserve(self.pool, job.limit - 1)
+        job.done, job.phase = len(job.prompt), Phase.DECODE
+        command.reply.set(stream)
+        for event in schedule.take_first(job, command.first_token, self._stop_ids):
+            self._deliver(job, event)
+
+    def _on_warm(self, command: Warm) -> None:
+        if self._closing:
+            command.reply.fail(ShuttingDown())
+            return
+        limit = len(command.prompt)
+        if not command.prompt or limit > self.max_model_len or blocks_for(limit) > self.pool.total:
+            command.reply.fail(PromptTooLong(limit, min(self.max_model_len, self.pool.total * self.pool.block_size)))
+            return
+        job = Job(self._take_id(), "warm", command.prompt, SamplingParams(), limit)
+        self._jobs[job.id] = job
+        self._warm.append((job, command.reply))
+
+    def _on_cancel(self, command: Cancel) -> None:
+        job = self._jobs.get(command.stream_id)
+        if job is None or job.kind != "stream":
+            return  # unknown, already answered, or not a stream: cancel is idempotent
+        if job.phase is Phase.QUEUED:
+            self._queue.remove(job)
+            self._queue_changed.set()
+            self._counts["cancelled"] += 1
+            self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt)))
+        else:
+            job.cancelled = True
+
+    def _on_shutdown(self, command: Shutdown) -> None:
+        if not self._closing:
+            self._closing = True
+            self._grace_deadline = trio.current_time() + command.grace
+            self._queue_changed.set()
+        for job in list(self._queue):
+            self._answer(job, Failed(ShuttingDown()))
+        self._queue.clear()
+        self._yield_warm()
+
+    # ---- boundary work (run by the pass loop between passes) ----
+
+    def _boundary(self) -> None:
+        for lane, job in enumerate(self.lanes):
+            if job is None:
+                continue
+            channel = self._channels.get(job.id)
+            if channel is not None and channel.statistics().open_receive_channels == 0 and job.outcome is None:
+                job.cancelled = True  # the consumer closed its end
+            if job.cancelled or job.outcome is not None:
+                self._unbind(lane, job)
+        self._admit()
+
+    def _admit(self) -> None:
+        free = [i for i, j in enumerate(self.lanes) if j is None]
+        while free and self._queue:
+            job = self._queue[0]
+            if not self.pool.can_allocate(blocks_for(job.limit - 1, self.pool.block_size)):
+                break  # the head waits for blocks; FIFO keeps later arrivals behind it
+            self._queue.popleft()
+            self._queue_changed.set()
+            self._bind(job, free.pop(0)).reserve(self.pool, job.limit - 1)
+            job.phase = Phase.PREFILL
+            self._counts["admitted"] += 1
+        quiet = not self._queue and not any(j is not None and j.kind == "stream" for j in self.lanes)
+        while quiet and free and self._warm:
+            job, reply = self._warm[0]
+            if not self.pool.can_allocate(blocks_for(job.limit)):
+                break
+            self._warm.popleft()
+            self._bind(job, free.pop(0)).reserve(self.pool, job.limit)
+            job.phase = Phase.PREFILL
+            self._warm_running[job.id] = reply
+
+    def _bind(self, job: Job, lane: int) -> BlockTable:
+        job.lane = lane
+        job.table = BlockTable(("lane", lane))
+        self.lanes[lane] = job
+        if job.kind == "stream":
+            self.backend.bind(lane, job.prompt, job.sampling)
+        return job.table
+
+    def _unbind(self, lane: int, job: Job) -> None:
+        if job.kind == "warm":
+            self._finish_warm(job)
+        elif job.outcome is None:
+            self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt), completion_tokens=len(job.generated)))
+        if job.kind == "stream":
+            self.backend.unbind(lane)
+            ended = isinstance(job.outcome, Finished) and job.outcome.reason != "cancelled"
+            self._counts["finished" if ended else "cancelled"] += 1
+        job.table.clear(self.pool)
+        self.lanes[lane] = None
+        job.phase = Phase.DONE
+        self._jobs.pop(job.id, None)
+
+    def _finish_warm(self, job: Job) -> None:
+        reply = self._warm_running.pop(job.id)
+        if job.cancelled or job.outcome is None:
+            reply.fail(WarmCancelled())
+            return
+        full = job.done // self.pool.block_size
+        owner = ("warm", job.id)
+        self.pool.fork(owner, job.table.blocks[:full])
+        reply.set(WarmResult(tuple(job.prompt[: full * self.pool.block_size]), tuple(job.table.blocks[:full]), owner))
+
+    def _yield_warm(self) -> None:
+        """A newer request (or shutdown) comes first: every warm pass, waiting or running, is cancelled."""
+        for job, reply in self._warm:
+            self._jobs.pop(job.id, None)
+            reply.fail(WarmCancelled())
+        self._warm.clear()
+        for job in self.lanes:
+            if job is not None and job.kind == "warm":
+                job.cancelled = True
+
+    # ---- jobs and their channels ----
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _new_job(self, request: Request) -> Job:
+        sampling = request.sampling
+        sampling.validate()
+        if sampling.seed is None:
+            sampling = sampling.with_seed(self._seeds())
+        prompt = tuple(request.prompt)
+        room = min(self.max_model_len, self.pool.total * self.pool.block_size)
+        if not prompt or len(prompt) >= room:
+            raise PromptTooLong(len(prompt) + 1, room)
+        limit = len(prompt) + (sampling.max_tokens or room - len(prompt))
+        if limit > room:
+            raise PromptTooLong(limit, room)
+        job = Job(self._take_id(), "stream", prompt, sampling, limit, deadline=request.deadline)
+        job.text = self._text(prompt, sampling)
+        return job
+
+    def _open(self, job: Job) -> Stream:
+        # Room for every event the stream can produce, so delivery never blocks the pass loop.
+        send, receive = trio.open_memory_channel(job.max_new + 4)
+        self._channels[job.id] = send
+        self._jobs[job.id] = job
+        return Stream(job.id, receive, self.cancel)
+
+    def _deliver(self, job: Job, event) -> None:
+        channel = self._channels.get(job.id)
+        if channel is None:
+            return
+        try:
+            channel.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            job.cancelled = True  # the consumer went away; its lane is freed at the next boundary
+            self._close(job)
+            return
+        if isinstance(event, TokenEvent):
+            self._counts["tokens_out"] += 1
+        if isinstance(event, (Finished, Failed)):
+            self._close(job)
+
+    def _answer(self, job: Job, event: Finished | Failed) -> None:
+        """Give a job its last event (if it has none yet); its lane, if any, is freed at the next boundary."""
+        if job.outcome is None:
+            job.outcome = event
+            self._deliver(job, event)
+        if job.phase is Phase.QUEUED:
+            self._jobs.pop(job.id, None)
+
+    def _close(self, job: Job) -> None:
+        channel = self._channels.pop(job.id, None)
+        if channel is not None:
+            channel.close()
+
+    def _fail_all(self, error: EngineError) -> None:
+        for job in list(self._queue):
+            self._answer(job, Failed(error))
+        self._queue.clear()
+        for job, reply in self._warm:
+            reply.fail(error)
+        self._warm.clear()
+        for lane, job in enumerate(self.lanes):
+            if job is not None:
+                if job.kind == "warm":
+                    job.cancelled = True
+                else:
+                    self._answer(job, Failed(error))
+                self._unbind(lane, job)
+
+    def _count(self, plan) -> None:
+        self._counts["passes"] += 1
+        self._counts["prefill_rows"] += plan.prefill_rows
+        self._counts["decode_rows"] += plan.decode_rows
+
+    # ---- observation ----
+
+    def statistics(self) -> CoreStats:
+        busy = sum(j is not None for j in self.lanes)
+        c = self._counts
+        return CoreStats(
+            lanes=len(self.lanes), lanes_busy=busy, lanes_free=len(self.lanes) - busy, queued=len(self._queue),
+            max_queue=self.max_queue, max_rows=self.limits.max_rows, passes=c["passes"],
+            prefill_rows=c["prefill_rows"], decode_rows=c["decode_rows"], tokens_out=c["tokens_out"],
+            streams_admitted=c["admitted"], streams_finished=c["finished"], streams_cancelled=c["cancelled"],
+            blocks_total=self.pool.total, blocks_free=self.pool.free,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless lanes, queue, jobs and the block pool agree."""
+        self.pool.check_integrity()
+        seen: set[int] = set()
+        for lane, job in enumerate(self.lanes):
+            owner = ("lane", lane)
+            if job is None:
+                if self.pool.held(owner):
+                    raise IntegrityError(f"free lane {lane} holds blocks {self.pool.held(owner)}")
+                continue
+            if job.lane != lane or job.table is None or job.table.owner != owner:
+                raise IntegrityError(f"lane {lane} holds job {job.id}, which says lane {job.lane}")
+            if self.pool.held(owner) != sorted(job.table.blocks):
+                raise IntegrityError(f"lane {lane}'s table {job.table.blocks} is not what the pool says it holds")
+            if job.done > len(job.table.blocks) * self.pool.block_size:
+                raise IntegrityError(f"job {job.id} wrote past its blocks")
+            seen.add(job.id)
+        for job in self._queue:
+            if job.phase is not Phase.QUEUED or job.lane is not None or job.id in seen:
+                raise IntegrityError(f"queued job {job.id} is also in a lane or not queued")
+            seen.add(job.id)
+        seen.update(job.id for job, _ in self._warm)
+        if seen != set(self._jobs):
+            raise IntegrityError(f"jobs {sorted(set(self._jobs) ^ seen)} are lost or unknown")

@@ -1,0 +1,77 @@
+"""One pass as plain data: the frozen `Plan` the lane core hands a backend and the `PassResult` it gets back.
+
+A plan is small and typed so that it can also be broadcast to tensor-parallel followers, which run the
+same pass on their shards without deciding anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .passes import Piece
+from .sampling import RowSampling
+
+
+@dataclass(frozen=True)
+class Work:
+    """One lane's part of a pass: its rows, and what to read from them.
+
+    `sample`: draw the lane's next token from the piece's last row. `targets`: for prompt logprobs, the token
+    that follows each row (one per row, or one fewer when the last row's follower is the sampled token);
+    `top` is how many alternatives to report with each.
+    """
+
+    piece: Piece
+    sample: RowSampling | None = None
+    targets: tuple[int, ...] = ()
+    top: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pass: prompt chunks (at most 16, `prefills` of them, first) and then one decode row a live lane."""
+
+    step: int
+    work: tuple[Work, ...]
+    prefills: int
+
+    @property
+    def pieces(self) -> tuple[Piece, ...]:
+        return tuple(w.piece for w in self.work)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(w.piece.tokens) for w in self.work)
+
+    @property
+    def prefill_rows(self) -> int:
+        return sum(len(w.piece.tokens) for w in self.work[: self.prefills])
+
+    @property
+    def decode_rows(self) -> int:
+        return len(self.work) - self.prefills
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A drawn token with its logprob and the top alternatives (token, logprob), when asked for."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetLogprobs:
+    """Logprobs of a piece's target tokens, with the top alternatives of each row."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass gives back, one entry per `Work` of the plan in order (None where nothing was asked)."""
+
+    sampled: tuple[Sampled | None, ...]
+    prompt_logprobs: tuple[TargetLogprobs | None, ...]

@@ -1,0 +1,165 @@
+"""Plan and apply: the lane core's pass logic as plain functions over plain data (no I/O, no awaits).
+
+`plan` turns the jobs in lanes into a frozen `Plan`: one decode row for every live lane, and prompt chunks
+of up to 16 prefilling lanes within `max_rows` prompt rows. `apply` consumes the pass's result: it
+advances each job, draws its text, decides whether it finished, and returns the events to deliver.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+from ..gpu.blocks import BlockTable
+from .passes import Piece
+from .plan import PassResult, Plan, Sampled, Work
+from .sampling import RowSampling, SamplingParams
+from .stream import Failed, Finished, PromptLogprobs, StreamEvent, TokenEvent, TopLogprob
+
+MAX_PREFILLS = 16
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    DONE = "done"
+
+
+JobKind = Literal["stream", "warm"]
+
+
+@dataclass(eq=False)
+class Job:
+    """A stream (or a warm pass) as the lane core tracks it; owned by the lane core alone."""
+
+    id: int
+    kind: JobKind
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    limit: int  # most tokens of context: the prompt and every token it may generate
+    deadline: float = float("inf")
+    phase: Phase = Phase.QUEUED
+    lane: int | None = None
+    table: BlockTable | None = None
+    done: int = 0  # context tokens whose KV is in the lane's blocks
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last drawn token, fed to the next decode row
+    cancelled: bool = False
+    outcome: Finished | Failed | None = None
+    text: object = None  # a TextAssembler: push(token) -> (text, stopped), finish() -> text
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        """In a lane, wanted, and not finished: it gets rows in the next pass."""
+        return self.phase in (Phase.PREFILL, Phase.DECODE) and not self.cancelled and self.outcome is None
+
+    @property
+    def max_new(self) -> int:
+        return self.limit - len(self.prompt)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_rows: int  # prompt rows a pass may carry (decode rows come on top, one a live lane)
+    max_prefills: int = MAX_PREFILLS
+
+
+def plan(step: int, jobs: Sequence[Job], limits: Limits) -> Plan:
+    """The next pass for `jobs` (in admission order): prompt chunks first, then one decode row a live lane."""
+    prefill: list[Work] = []
+    budget = limits.max_rows
+    for job in jobs:
+        if not job.live or job.phase is not Phase.PREFILL:
+            continue
+        if len(prefill) == limits.max_prefills or budget == 0:
+            break
+        take = min(len(job.prompt) - job.done, budget)
+        budget -= take
+        prefill.append(_prompt_work(job, take))
+    decode = [
+        Work(
+            Piece(job.lane, (job.pending,), job.done, tuple(job.table.blocks)),
+            sample=RowSampling(job.lane, job.sampling, len(job.generated)),
+        )
+        for job in jobs
+        if job.live and job.phase is Phase.DECODE
+    ]
+    return Plan(step=step, work=tuple(prefill + decode), prefills=len(prefill))
+
+
+def _prompt_work(job: Job, take: int) -> Work:
+    start, end = job.done, job.done + take
+    final = end == len(job.prompt)
+    sample = RowSampling(job.lane, job.sampling, 0) if final and job.kind == "stream" else None
+    wants_logprobs = job.sampling.prompt_logprobs and job.kind == "stream"
+    logits = "all" if wants_logprobs else ("last" if sample else "none")
+    targets = job.prompt[start + 1 : end + 1] if wants_logprobs else ()
+    piece = Piece(job.lane, job.prompt[start:end], start, tuple(job.table.blocks), logits)
+    return Work(piece, sample=sample, targets=targets, top=job.sampling.top_logprobs if wants_logprobs else 0)
+
+
+def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids: Iterable[int]) -> list[tuple[Job, StreamEvent]]:
+    """Advance every job the plan carried; return the events to deliver, in order.
+
+    A job cancelled or finished while the pass ran is advanced (its KV was written) but gets no events.
+    """
+    stop_ids = frozenset(stop_ids)
+    events: list[tuple[Job, StreamEvent]] = []
+    for work, sampled, logprobs in zip(plan.work, result.sampled, result.prompt_logprobs, strict=True):
+        job = jobs_by_lane[work.piece.lane]
+        if work.piece.start != job.done:
+            raise AssertionError(f"job {job.id}: a pass wrote from {work.piece.start}, the job had {job.done}")
+        job.done = work.piece.end
+        if job.phase is Phase.PREFILL and job.done == len(job.prompt):
+            job.phase = Phase.DECODE if job.kind == "stream" else Phase.DONE
+            if job.kind == "warm":
+                job.outcome = Finished("stop", prompt_tokens=len(job.prompt))
+        if job.cancelled or job.outcome is not None:
+            continue
+        if logprobs is not None:
+            job.prompt_logprobs.append(logprobs)
+            if sampled is not None:
+                events.append((job, _prompt_logprobs_event(job)))
+        if sampled is not None:
+            events.extend((job, event) for event in _take(job, sampled, stop_ids))
+    return events
+
+
+def take_first(job: Job, token: int, stop_ids: Iterable[int]) -> list[StreamEvent]:
+    """The first token of a stream a driver prefilled and sampled itself (adopt_prefilled)."""
+    return _take(job, Sampled(token), frozenset(stop_ids))
+
+
+def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int]) -> list[StreamEvent]:
+    token = sampled.token
+    job.generated.append(token)
+    job.pending = token
+    top = tuple(TopLogprob(t, lp) for t, lp in sampled.top)
+    stops = set(job.sampling.stop_token_ids) | (set() if job.sampling.ignore_eos else stop_ids)
+    if token in stops:
+        # A stop token ends the stream and contributes no text, as OpenAI's servers do.
+        return [TokenEvent(token, "", sampled.logprob, top), _finish(job, "stop", job.text.finish())]
+    text, stopped = job.text.push(token)
+    out: list[StreamEvent] = [TokenEvent(token, text, sampled.logprob, top)]
+    if stopped:
+        out.append(_finish(job, "stop", ""))
+    elif len(job.generated) >= job.max_new:
+        out.append(_finish(job, "length", job.text.finish()))
+    return out
+
+
+def _finish(job: Job, reason: str, text: str) -> Finished:
+    job.outcome = Finished(reason, text, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated))
+    return job.outcome
+
+
+def _prompt_logprobs_event(job: Job) -> PromptLogprobs:
+    logprobs: list[float | None] = [None]
+    top: list[tuple[TopLogprob, ...]] = [()]
+    for part in job.prompt_logprobs:
+        logprobs.extend(part.logprobs)
+        top.extend(tuple(TopLogprob(t, lp) for t, lp in row) for row in part.top)
+    return PromptLogprobs(tuple(logprobs), tuple(top))

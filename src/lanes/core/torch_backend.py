@@ -1,0 +1,108 @@
+"""The backend a loaded family gives the lane core: one forward over every lane's rows, sampling on the
+device, and one host read-back a pass; run through the device's runner so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..gpu.device import CpuRunner, CudaRunner
+from ..loader import LoadedModel
+from ..text.tokenizer import Tokenizer
+from .backend import BackendShape
+from .plan import PassResult, Plan, Sampled, TargetLogprobs
+from .sampling import PenaltyState, RowSampling, SamplingParams, prompt_logprobs, read_back, sample
+from .stops import TextAssembler
+
+
+class TorchBackend:
+    """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
+
+    def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None) -> None:
+        self.model = model
+        self.decoder = model.decoder
+        self.runner = runner
+        length = min(max_model_len or model.config.max_position, model.config.max_position)
+        self._shape = BackendShape(lanes, model.kv_blocks, model.decoder.kv.shape.block_size, model.config.vocab_size, length)
+        self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
+
+    @property
+    def shape(self) -> BackendShape:
+        return self._shape
+
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+        if sampling.needs_penalties:
+            self.penalties.bind(lane, prompt)
+
+    def unbind(self, lane: int) -> None:
+        if self.penalties.is_bound(lane):
+            self.penalties.unbind(lane)
+
+    async def aclose(self) -> None:
+        self.runner.close()
+
+    async def step(self, plan: Plan) -> PassResult:
+        return await self.runner.run(lambda: self.run_pass(plan))
+
+    @torch.inference_mode()
+    def run_pass(self, plan: Plan) -> PassResult:
+        """The pass itself, on the runner's thread (and stream): forward, sample, read back."""
+        logits = self.decoder.forward(plan.pieces)  # [R, V]: each piece's asked-for rows, in order
+        device = logits.device
+        draw_rows, rows, target_rows, targets = [], [], [], []
+        offset = 0
+        for work in plan.work:
+            n = work.piece.logit_rows
+            if work.sample is not None:
+                draw_rows.append(offset + n - 1)
+                rows.append(work.sample)
+            target_rows.extend(range(offset, offset + len(work.targets)))
+            targets.extend(work.targets)
+            offset += n
+        drawn = self._draw(logits, draw_rows, rows, device) if rows else None
+        prompt = self._prompt_logprobs(plan, logits, target_rows, targets, device) if targets else [None] * len(plan.work)
+        sampled, i = [], 0
+        for work in plan.work:
+            if work.sample is None:
+                sampled.append(None)
+                continue
+            params = work.sample.params
+            sampled.append(Sampled(drawn.tokens[i], drawn.logprobs[i] if params.logprobs else None, tuple(drawn.top[i])))
+            i += 1
+        return PassResult(tuple(sampled), tuple(prompt))
+
+    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device):
+        picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]
+        penalised = any(r.params.needs_penalties for r in rows)
+        out = sample(picked, rows, self.penalties if penalised else None)
+        if penalised:
+            lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
+            self.penalties.record(lanes, out.tokens)
+        return read_back(out, rows)  # the pass's one host sync
+
+    def _prompt_logprobs(self, plan: Plan, logits, target_rows, targets, device) -> list[TargetLogprobs | None]:
+        top = max(w.top for w in plan.work)
+        index = torch.tensor(target_rows, dtype=torch.int64, device=device)
+        values, ids, top_values = prompt_logprobs(logits.index_select(0, index), torch.tensor(targets, device=device), top)
+        values, ids, top_values = values.tolist(), ids.tolist(), top_values.tolist()
+        out, at = [], 0
+        for work in plan.work:
+            n = len(work.targets)
+            if not n:
+                out.append(None)
+                continue
+            alternatives = tuple(tuple(zip(ids[at + j][: work.top], top_values[at + j][: work.top])) for j in range(n))
+            out.append(TargetLogprobs(tuple(values[at : at + n]), alternatives))
+            at += n
+        return out
+
+
+def text_factory(tokenizer: Tokenizer):
+    """Per stream: whole characters from its tokens, cut at its stop strings."""
+
+    def make(prompt: Sequence[int], sampling: SamplingParams) -> TextAssembler:
+        return TextAssembler(tokenizer.detokenizer(prompt), sampling.stop)
+
+    return make
