@@ -23,6 +23,8 @@ from lanes.gpu.device import choose
 from lanes.loader import load_model
 from lanes.models import resolve_model
 
+from bench_reference import reference_model
+
 
 def timed(fn, repeat: int, sync) -> float:
     fn()
@@ -34,16 +36,6 @@ def timed(fn, repeat: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def reference_model(path, placement):
-    from transformers import AutoModelForCausalLM
-
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=placement.dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=placement.dtype)
-    return model.to(placement.device).eval()
 
 
 def main() -> None:

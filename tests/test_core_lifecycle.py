@@ -99,14 +99,15 @@ async def test_cancel_after_the_end_and_of_unknown_ids_is_a_no_op():
 
 
 async def test_shutdown_answers_every_waiter_at_every_stage(autojump_clock):
-    backend = FakeBackend(lanes=2, blocks=64, pass_seconds=1.0)
+    backend = FakeBackend(lanes=3, blocks=64, pass_seconds=1.0)
     core = LaneCore(backend, fake_text, [EOS], max_rows=4, max_queue=8)
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
             await nursery.start(core.run)
             short = await core.submit(Request(prompt(3), greedy(10, ignore_eos=True)))
             long = await core.submit(Request(prompt(10), greedy(500, ignore_eos=True)))
-            first_long = await long.events.receive()  # both are live now
+            prefilling = await core.submit(Request(prompt(200), greedy(5, ignore_eos=True)))  # 50 passes of prompt
+            first_long = await long.events.receive()  # all three hold lanes now; the third is still prefilling
             queued = await core.submit(Request(prompt(3), greedy(3)))
             warm_result = []
 
@@ -120,7 +121,8 @@ async def test_shutdown_answers_every_waiter_at_every_stage(autojump_clock):
             started = trio.current_time()
             await core.shutdown(grace=20)
             assert trio.current_time() - started == pytest.approx(20, abs=1.0)
-    outcomes = {name: await collect(s) for name, s in [("short", short), ("long", long), ("queued", queued)]}
+    outcomes = {name: await collect(s) for name, s in [("short", short), ("long", long), ("queued", queued), ("prefilling", prefilling)]}
+    assert isinstance(outcomes["prefilling"].last, Failed) and outcomes["prefilling"].tokens == []
     assert isinstance(first_long, TokenEvent)
     assert outcomes["short"].last.reason == "length" and len(outcomes["short"].tokens) == 10
     assert isinstance(outcomes["long"].last, Failed) and isinstance(outcomes["long"].last.error, ShuttingDown)

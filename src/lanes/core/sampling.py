@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..gpu.transfer import to_host
+
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4
 NEG_INF = float("-inf")
@@ -326,24 +328,16 @@ def race(scores: Tensor, keys: Tensor) -> Tensor:
 
 
 def read_back(sampled: Sampled, rows: Sequence[RowSampling]) -> HostSampled:
-    """What the host needs from a pass's draws, through one device-to-host copy: the pass's one host sync.
+    """What the host needs from a pass's draws, through one device-to-host copy: the pass's one host sync."""
+    return on_host(Sampled(*to_host([sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs])), rows)
 
-    Tokens and top ids (int64) and the logprobs (float32, viewed as int64 pairs) travel in one tensor;
-    row r keeps `rows[r].params.top_logprobs` alternatives.
-    """
-    r, k = sampled.top_ids.shape
-    n = r + r * k
-    ints = torch.cat([sampled.tokens, sampled.top_ids.reshape(-1)])  # [n] int64
-    floats = torch.cat([sampled.logprobs, sampled.top_logprobs.reshape(-1)])  # [n] float32
-    if n % 2:
-        floats = torch.cat([floats, floats.new_zeros(1)])
-    packed_cpu = torch.cat([ints, floats.view(torch.int64)]).cpu()  # the one sync
-    ints_cpu, floats_cpu = packed_cpu[:n], packed_cpu[n:].view(torch.float32)[:n]
-    ids = ints_cpu[r:].reshape(r, k).tolist()
-    values = floats_cpu[r:].reshape(r, k).tolist()
+
+def on_host(sampled: Sampled, rows: Sequence[RowSampling]) -> HostSampled:
+    """Draws already copied to the host as plain lists; row r keeps `rows[r].params.top_logprobs` alternatives."""
+    ids, values = sampled.top_ids.tolist(), sampled.top_logprobs.tolist()
     wanted = [row.params.top_logprobs for row in rows]
-    top = [list(zip(ids[i][: wanted[i]], values[i][: wanted[i]])) for i in range(r)]
-    return HostSampled(tokens=ints_cpu[:r].tolist(), logprobs=floats_cpu[:r].tolist(), top=top)
+    top = [list(zip(ids[i][: wanted[i]], values[i][: wanted[i]])) for i in range(len(rows))]
+    return HostSampled(tokens=sampled.tokens.tolist(), logprobs=sampled.logprobs.tolist(), top=top)
 
 
 def prompt_logprobs(logits: Tensor, targets: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:

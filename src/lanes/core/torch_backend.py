@@ -13,7 +13,9 @@ from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
 from .plan import PassResult, Plan, Sampled, TargetLogprobs
-from .sampling import PenaltyState, RowSampling, SamplingParams, prompt_logprobs, read_back, sample
+from ..gpu.transfer import to_host
+from .sampling import PenaltyState, RowSampling, SamplingParams, on_host, prompt_logprobs, sample
+from .sampling import Sampled as SampledTensors
 from .stops import TextAssembler
 
 
@@ -48,7 +50,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
-        """The pass itself, on the runner's thread (and stream): forward, sample, read back."""
+        """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
         logits = self.decoder.forward(plan.pieces)  # [R, V]: each piece's asked-for rows, in order
         device = logits.device
         draw_rows, rows, target_rows, targets = [], [], [], []
@@ -61,32 +63,39 @@ class TorchBackend:
             target_rows.extend(range(offset, offset + len(work.targets)))
             targets.extend(work.targets)
             offset += n
-        drawn = self._draw(logits, draw_rows, rows, device) if rows else None
-        prompt = self._prompt_logprobs(plan, logits, target_rows, targets, device) if targets else [None] * len(plan.work)
+        on_device = []
+        if rows:
+            drawn = self._draw(logits, draw_rows, rows, device)
+            on_device += [drawn.tokens, drawn.logprobs, drawn.top_ids, drawn.top_logprobs]
+        if targets:
+            index = torch.tensor(target_rows, dtype=torch.int64, device=device)
+            top = max(w.top for w in plan.work)
+            on_device += prompt_logprobs(logits.index_select(0, index), torch.tensor(targets, device=device), top)
+        host = to_host(on_device)  # the pass's one host sync
+        drawn_host = on_host(SampledTensors(*host[:4]), rows) if rows else None
+        prompt = self._prompt_results(plan, host[-3:]) if targets else [None] * len(plan.work)
         sampled, i = [], 0
         for work in plan.work:
             if work.sample is None:
                 sampled.append(None)
                 continue
-            params = work.sample.params
-            sampled.append(Sampled(drawn.tokens[i], drawn.logprobs[i] if params.logprobs else None, tuple(drawn.top[i])))
+            wants = work.sample.params.logprobs
+            sampled.append(Sampled(drawn_host.tokens[i], drawn_host.logprobs[i] if wants else None, tuple(drawn_host.top[i])))
             i += 1
         return PassResult(tuple(sampled), tuple(prompt))
 
-    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device):
+    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device) -> SampledTensors:
         picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]
         penalised = any(r.params.needs_penalties for r in rows)
         out = sample(picked, rows, self.penalties if penalised else None)
         if penalised:
             lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
             self.penalties.record(lanes, out.tokens)
-        return read_back(out, rows)  # the pass's one host sync
+        return out
 
-    def _prompt_logprobs(self, plan: Plan, logits, target_rows, targets, device) -> list[TargetLogprobs | None]:
-        top = max(w.top for w in plan.work)
-        index = torch.tensor(target_rows, dtype=torch.int64, device=device)
-        values, ids, top_values = prompt_logprobs(logits.index_select(0, index), torch.tensor(targets, device=device), top)
-        values, ids, top_values = values.tolist(), ids.tolist(), top_values.tolist()
+    @staticmethod
+    def _prompt_results(plan: Plan, host: list[torch.Tensor]) -> list[TargetLogprobs | None]:
+        values, ids, top_values = (t.tolist() for t in host)
         out, at = [], 0
         for work in plan.work:
             n = len(work.targets)

@@ -1,0 +1,37 @@
+"""Device-to-host reads packed into one copy: a pass's one host sync, however many tensors it returns."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors (int64 or float32, any shapes) on the CPU, moved in one device-to-host copy.
+
+    Each is flattened and viewed as int64 (float32 in pairs, padded by one when odd), concatenated, copied
+    once, and cut back into its own shape and dtype.
+    """
+    parts, layout = [], []
+    for t in tensors:
+        flat = t.reshape(-1)
+        if flat.dtype == torch.float32:
+            if flat.numel() % 2:
+                flat = torch.cat([flat, flat.new_zeros(1)])
+            flat = flat.view(torch.int64)
+        elif flat.dtype != torch.int64:
+            raise TypeError(f"to_host packs int64 and float32 tensors, not {t.dtype}")
+        parts.append(flat)
+        layout.append((t.dtype, t.shape, flat.numel()))
+    if not parts:
+        return []
+    packed = torch.cat(parts).cpu()  # the one sync
+    out, at = [], 0
+    for dtype, shape, n in layout:
+        chunk = packed[at : at + n]
+        at += n
+        if dtype == torch.float32:
+            chunk = chunk.view(torch.float32)[: int(torch.Size(shape).numel())]
+        out.append(chunk.reshape(shape))
+    return out
