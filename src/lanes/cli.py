@@ -1,4 +1,4 @@
-"""`python -m lanes`: generate (a greedy continuation), fetch (the default model)."""
+"""`python -m lanes`: serve (the API), generate (a greedy continuation), fetch (the default model)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render the prompt as one user message through the chat template")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .serve import add_serve_flags
+
+    add_serve_flags(serve)
 
     fetch = commands.add_parser("fetch", help="download a default model into the cache (LANES_HOME or ~/.cache/lanes)")
     fetch.add_argument("--model", default=DEFAULT_MODEL)
@@ -56,6 +62,7 @@ async def _generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from .gpu.device import DeviceError
+    from .serve import NotAvailable, configure_logging, refuse_unbuilt, serve
     from .text.chat import ChatTemplateError
 
     try:
@@ -63,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             print(resolve_model(args.model))
         elif args.command == "generate":
             trio.run(_generate, args)
-    except (CheckpointError, DeviceError, ChatTemplateError) as error:
+        elif args.command == "serve":
+            configure_logging(args.log_level)
+            refuse_unbuilt(args)
+            trio.run(serve, args)
+    except (CheckpointError, DeviceError, ChatTemplateError, NotAvailable) as error:
         print(f"lanes: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

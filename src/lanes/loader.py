@@ -102,11 +102,11 @@ class LoadedModel:
 
 
 def default_kv_bytes(placement: Placement) -> int:
-    """The KV budget when none is given: 1 GiB on the CPU, 85% of what is free on a GPU after the weights."""
+    """The KV budget when none is given: 2 GiB on the CPU, 85% of what is free on a GPU after the weights."""
     if placement.is_cuda:
         free, _ = torch.cuda.mem_get_info(placement.device)
         return int(free * 0.85)
-    return 1 << 30
+    return 2 << 30
 
 
 def load_model(
@@ -117,6 +117,7 @@ def load_model(
     comm: Collective | None = None,
     kv_bytes: int | None = None,
     kv_blocks: int | None = None,
+    kv_max_blocks: int | None = None,
     quiet: bool = False,
 ) -> LoadedModel:
     """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache."""
@@ -135,6 +136,8 @@ def load_model(
     if kv_blocks is None:
         budget = kv_bytes if kv_bytes is not None else default_kv_bytes(placement)
         kv_blocks = max(1, budget // kv_shape.bytes_per_block(placement.dtype))
+        if kv_max_blocks is not None:
+            kv_blocks = min(kv_blocks, kv_max_blocks)
     kv = KVCache(kv_shape, kv_blocks, device=placement.device, dtype=placement.dtype)
     decoder = Decoder(config, weights, kv, comm or Solo(), shard)
     return LoadedModel(checkpoint, config, tokenizer, decoder, placement, shard)

@@ -216,8 +216,9 @@ class LaneCore:
         if self._closing:
             command.reply.fail(ShuttingDown())
             return
-        if len(self._queue) >= self.max_queue:
-            command.reply.fail(QueueFull(len(self._queue)))
+        free = sum(lane is None for lane in self.lanes)
+        if len(self._queue) >= self.max_queue + free:  # the queue also holds jobs about to take free lanes
+            command.reply.fail(QueueFull(max(0, len(self._queue) - free)))
             return
         self._yield_warm()
         command.reply.set(self._open(job))

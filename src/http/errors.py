@@ -1,0 +1,148 @@
+"""Every refusal the server gives, worded once, in OpenAI's error shape.
+
+`{"error": {"message", "type", "param", "code"}}`. The words here are frozen: `tests/golden/` holds one
+request and its exact answer for each, and a golden test diffs them against a live server.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..core.sampling import InvalidParameter
+from ..core.stream import BackendFailed, EngineError, PromptTooLong, QueueFull, QueueTimeout, ShuttingDown
+
+INVALID = "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """A refusal: HTTP status, OpenAI error type, the parameter at fault and a stable code."""
+
+    status: int
+    message: str
+    type: str = INVALID
+    param: str | None = None
+    code: str | None = None
+    retry_after: int | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def json(self) -> str:
+        return json.dumps(self.body())
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+
+def malformed_json() -> ApiError:
+    return ApiError(400, "the request body is not valid JSON", code="malformed_json")
+
+
+def not_an_object() -> ApiError:
+    return ApiError(400, "the request body must be a JSON object", code="malformed_json")
+
+
+def missing(param: str) -> ApiError:
+    return ApiError(400, f"'{param}' is required", param=param, code="missing_parameter")
+
+
+def wrong_type(param: str, expected: str) -> ApiError:
+    return ApiError(400, f"'{param}' must be {expected}", param=param, code="invalid_type")
+
+
+def out_of_range(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def unknown_parameter(param: str) -> ApiError:
+    return ApiError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+
+
+def unsupported(param: str) -> ApiError:
+    return ApiError(400, f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+
+
+def unknown_model(name: str, served: str) -> ApiError:
+    return ApiError(404, f"the model '{name}' does not exist; this server serves '{served}'", param="model",
+                    code="model_not_found")
+
+
+def context_exceeded(tokens: int, limit: int) -> ApiError:
+    return ApiError(400, f"this request needs {tokens} tokens of context but the model's limit is {limit}; "
+                         "shorten the prompt or lower max_tokens", param="messages", code="context_length_exceeded")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="body_too_large")
+
+
+def vision_off() -> ApiError:
+    return ApiError(400, "image and video inputs need a server started with --vision", param="messages",
+                    code="vision_disabled")
+
+
+def not_found() -> ApiError:
+    return ApiError(404, "no such endpoint", code="not_found")
+
+
+def decisions_off() -> ApiError:
+    return ApiError(404, "decisions need a server started with --decider", code="decider_disabled")
+
+
+def method_not_allowed() -> ApiError:
+    return ApiError(405, "this method is not allowed on this endpoint", code="method_not_allowed")
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "a valid API key is required (Authorization: Bearer <key>)", type="authentication_error",
+                    code="invalid_api_key")
+
+
+def queue_full() -> ApiError:
+    return ApiError(429, "the server is busy: every lane is taken and the queue is full; retry shortly",
+                    type="rate_limit_error", code="queue_full", retry_after=1)
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+
+
+def deadline_exceeded() -> ApiError:
+    return ApiError(504, "the request did not finish before its deadline", type="timeout_error", code="deadline_exceeded")
+
+
+def chat_template(message: str) -> ApiError:
+    return ApiError(400, f"the chat template refused these messages: {message}", param="messages", code="chat_template")
+
+
+def no_chat_template() -> ApiError:
+    return ApiError(400, "this model has no chat template; use /v1/completions", param="messages", code="chat_template")
+
+
+def internal() -> ApiError:
+    return ApiError(500, "the server failed to answer this request", type="server_error", code="internal_error")
+
+
+def model_failed() -> ApiError:
+    return ApiError(503, "the model failed and the server is stopping", type="server_error", code="model_failed")
+
+
+def from_engine(error: Exception) -> ApiError:
+    """The frozen answer for an error the lane core raised."""
+    if isinstance(error, InvalidParameter):
+        return out_of_range(error.param, error.message)
+    if isinstance(error, QueueFull):
+        return queue_full()
+    if isinstance(error, ShuttingDown):
+        return shutting_down()
+    if isinstance(error, PromptTooLong):
+        return context_exceeded(error.tokens, error.limit)
+    if isinstance(error, QueueTimeout):
+        return deadline_exceeded()
+    if isinstance(error, BackendFailed):
+        return model_failed()
+    if isinstance(error, EngineError):
+        return ApiError(400, str(error), code="engine_refused")
+    return internal()

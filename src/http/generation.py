@@ -1,0 +1,134 @@
+"""Running a request's n streams on the lane core: submit, collect or stream events, close on any exit.
+
+A handler cancelled because its client went away closes its streams in a shielded `finally`, so the lane
+core frees their lanes at the next pass boundary. Every wait is bounded by the request's deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Sequence
+
+import trio
+
+from ..core.sampling import SamplingParams
+from ..core.stream import Failed, Finished, PromptLogprobs, Request, Stream, TokenEvent
+from . import errors
+
+
+@dataclass
+class Choice:
+    """One stream's result as it accumulates."""
+
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenEvent] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+    def add(self, event) -> None:
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event.token)
+            self.text.append(event.text)
+            self.logprobs.append(event)
+        elif isinstance(event, PromptLogprobs):
+            self.prompt_logprobs = event
+        elif isinstance(event, Finished):
+            self.text.append(event.text)
+            self.finish_reason = "length" if event.reason == "length" else "stop"
+            self.prompt_tokens = event.prompt_tokens
+        elif isinstance(event, Failed):
+            raise errors.from_engine(event.error)
+
+
+@dataclass
+class Timing:
+    """When the request started and when its first token came (for the log line and the histograms)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            self.gaps.append(now - self.last_token)
+        self.last_token = now
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.started
+
+
+def sampling_for(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n streams: a given seed is offset by i so the n choices differ but stay reproducible."""
+    return sampling if sampling.seed is None or index == 0 else replace(sampling, seed=sampling.seed + index)
+
+
+async def open_streams(core, prompt: Sequence[int], sampling: SamplingParams, n: int, deadline: float) -> list[Stream]:
+    """Submit n streams; if any submit fails, the ones already open are closed before the error goes up."""
+    streams: list[Stream] = []
+    try:
+        for i in range(n):
+            streams.append(await core.submit(Request(tuple(prompt), sampling_for(sampling, i), deadline)))
+    except BaseException:
+        await close_all(streams)
+        raise
+    return streams
+
+
+async def close_all(streams: Sequence[Stream]) -> None:
+    with trio.CancelScope(shield=True):  # runs while the handler is being cancelled
+        for stream in streams:
+            await stream.aclose()
+
+
+async def next_event(stream: Stream, deadline: float):
+    """The stream's next event, or a deadline_exceeded refusal."""
+    with trio.move_on_at(deadline):
+        return await stream.events.receive()
+    raise errors.deadline_exceeded()
+
+
+async def collect(streams: Sequence[Stream], deadline: float, timing: Timing) -> list[Choice]:
+    """Every stream's whole result (for a non-streaming response)."""
+    choices = [Choice(i) for i in range(len(streams))]
+    try:
+        for stream, choice in zip(streams, choices):
+            while choice.finish_reason is None:
+                try:
+                    event = await next_event(stream, deadline)
+                except trio.EndOfChannel:
+                    raise errors.internal() from None
+                if isinstance(event, TokenEvent):
+                    timing.token()
+                choice.add(event)
+    finally:
+        await close_all(streams)
+    return choices
+
+
+async def events(streams: Sequence[Stream], deadline: float, timing: Timing) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, event) as they come, round-robin over the streams, which advance in the same passes.
+
+    The caller owns the streams and closes them (`close_all`) in its own `finally`: a generator that is
+    dropped mid-way runs its `finally` only when collected.
+    """
+    open_ = list(range(len(streams)))
+    while open_:
+        for index in list(open_):
+            try:
+                event = await next_event(streams[index], deadline)
+            except trio.EndOfChannel:
+                raise errors.internal() from None
+            if isinstance(event, TokenEvent):
+                timing.token()
+            if isinstance(event, (Finished, Failed)):
+                open_.remove(index)
+            yield index, event

@@ -1,0 +1,60 @@
+"""Prometheus metrics for /metrics: counters and histograms the handlers feed, gauges read from the actors."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    """One registry a server (no module-level state): request counters and latency histograms, plus the
+    lane core's statistics read at scrape time."""
+
+    def __init__(self, core_stats: Callable[[], object], extra: Callable[[], dict[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lanes_requests", "Requests answered, by endpoint and status.", ["endpoint", "status"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("lanes_prompt_tokens", "Prompt tokens of answered requests.", registry=self.registry)
+        self.completion_tokens = Counter("lanes_completion_tokens", "Tokens generated.", registry=self.registry)
+        self.ttft = Histogram("lanes_time_to_first_token_seconds", "Time from request to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram("lanes_inter_token_seconds", "Time between a stream's tokens.",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
+                                  registry=self.registry)
+        self.registry.register(_CoreCollector(core_stats, extra or (lambda: {})))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _CoreCollector:
+    def __init__(self, core_stats, extra) -> None:
+        self.core_stats = core_stats
+        self.extra = extra
+
+    def collect(self):
+        stats = self.core_stats()
+        gauges = {
+            "lanes_lanes": ("Lanes in all.", stats.lanes),
+            "lanes_lanes_busy": ("Lanes holding a stream.", stats.lanes_busy),
+            "lanes_queue_length": ("Requests waiting for a lane.", stats.queued),
+            "lanes_kv_blocks_total": ("KV blocks in the pool.", stats.blocks_total),
+            "lanes_kv_blocks_free": ("KV blocks free.", stats.blocks_free),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "lanes_passes": ("Passes run.", stats.passes),
+            "lanes_prefill_rows": ("Prompt rows run.", stats.prefill_rows),
+            "lanes_decode_rows": ("Decode rows run.", stats.decode_rows),
+            "lanes_streams_cancelled": ("Streams cancelled (clients gone or cancelled).", stats.streams_cancelled),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, value in self.extra().items():
+            yield GaugeMetricFamily(name, name.replace("_", " "), value=value)

@@ -1,0 +1,252 @@
+"""POST /v1/chat/completions and /v1/completions: parse, submit the n streams, answer in OpenAI's shapes,
+as one JSON object or as server-sent events ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import AsyncIterator, Sequence
+
+import trio
+
+from ..core.sampling import InvalidParameter
+from ..core.stream import EngineError, Finished, Failed, PromptLogprobs, TokenEvent
+from ..text.chat import ChatTemplateError
+from . import errors, parse
+from .generation import Choice, Timing, close_all, collect, events, open_streams
+from .service import Service
+
+
+def check_model(service: Service, body: dict) -> str:
+    name = body.get("model", service.model_name)
+    if not isinstance(name, str):
+        raise errors.wrong_type("model", "a string")
+    if name not in (service.model_name, "default", ""):
+        raise errors.unknown_model(name, service.model_name)
+    return service.model_name
+
+
+class Exchange:
+    """One request's bookkeeping for its log line and metrics, finished exactly once."""
+
+    def __init__(self, service: Service, endpoint: str) -> None:
+        self.service, self.endpoint = service, endpoint
+        self.id = uuid.uuid4().hex[:24]
+        self.timing = Timing()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._done = False
+
+    def finish(self, status: int) -> None:
+        if self._done:
+            return
+        self._done = True
+        m, t = self.service.metrics, self.timing
+        total = time.perf_counter() - t.started
+        m.requests.labels(self.endpoint, str(status)).inc()
+        m.prompt_tokens.inc(self.prompt_tokens)
+        m.completion_tokens.inc(self.completion_tokens)
+        m.duration.observe(total)
+        if t.ttft is not None:
+            m.ttft.observe(t.ttft)
+        for gap in t.gaps:
+            m.inter_token.observe(gap)
+        ttft = "-" if t.ttft is None else f"{t.ttft:.3f}s"
+        self.service.log.info("%s %s status=%d prompt=%d completion=%d ttft=%s total=%.3fs", self.id, self.endpoint,
+                              status, self.prompt_tokens, self.completion_tokens, ttft, total)
+
+
+async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float):
+    try:
+        return await open_streams(service.core, prompt, common.sampling, common.n, deadline)
+    except (EngineError, InvalidParameter) as error:
+        raise errors.from_engine(error) from None
+
+
+def token_text(service: Service, token: int) -> str:
+    return service.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+# ---- chat ----
+
+def chat_logprob(service: Service, event: TokenEvent) -> dict:
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(service, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(event.token, event.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in event.top]}
+
+
+async def chat_completions(service: Service, body: dict, exchange: Exchange):
+    messages, common = parse.chat(body, service.vision)
+    model = check_model(service, body)
+    tokenizer = service.tokenizer
+    if tokenizer.chat_template is None:
+        raise errors.no_chat_template()
+    try:
+        extra = body.get("chat_template_kwargs") or {}
+        text = tokenizer.render_chat(messages, tools=body.get("tools"), **(extra if isinstance(extra, dict) else {}))
+    except ChatTemplateError as error:
+        raise errors.chat_template(str(error)) from None
+    prompt = tokenizer.encode_prompt(text)
+    exchange.prompt_tokens = len(prompt)
+    deadline = trio.current_time() + service.request_timeout
+    streams = await submit(service, prompt, common, deadline)
+    head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
+    if common.stream:
+        return chat_sse(service, streams, common, head, deadline, exchange)
+    choices = await collect(streams, deadline, exchange.timing)
+    exchange.completion_tokens = sum(len(c.tokens) for c in choices)
+    return {
+        **head, "object": "chat.completion",
+        "choices": [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": {"content": [chat_logprob(service, e) for e in c.logprobs]} if common.sampling.logprobs else None,
+            "finish_reason": c.finish_reason,
+        } for c in choices],
+        "usage": usage(len(prompt), exchange.completion_tokens),
+        "system_fingerprint": None,
+    }
+
+
+async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncIterator[str]:
+    chunk = {**head, "object": "chat.completion.chunk"}
+    status = 200
+    try:
+        for index in range(len(streams)):
+            yield sse({**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        async for index, event in events(streams, deadline, exchange.timing):
+            if isinstance(event, TokenEvent):
+                exchange.completion_tokens += 1
+                logprobs = {"content": [chat_logprob(service, event)]} if common.sampling.logprobs else None
+                if event.text or logprobs:
+                    yield sse({**chunk, "choices": [{"index": index, "delta": {"content": event.text},
+                                                      "logprobs": logprobs, "finish_reason": None}]})
+            elif isinstance(event, Finished):
+                delta = {"content": event.text} if event.text else {}
+                reason = "length" if event.reason == "length" else "stop"
+                yield sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+            elif isinstance(event, Failed):
+                raise errors.from_engine(event.error)
+        if common.include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)})
+        yield "data: [DONE]\n\n"
+    except errors.ApiError as error:
+        status = error.status
+        yield sse(error.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await close_all(streams)
+        exchange.finish(status)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---- completions ----
+
+def prompt_ids(service: Service, prompts: list[str | list[int]]) -> list[list[int]]:
+    vocab = service.tokenizer.vocab_size
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(service.tokenizer.encode(prompt))
+        elif any(not 0 <= t < vocab for t in prompt):
+            raise errors.out_of_range("prompt", f"prompt token ids must be between 0 and {vocab - 1}")
+        else:
+            out.append(prompt)
+    return out
+
+
+def completion_logprobs(service: Service, choice: Choice, prompt: list[int], echo: bool, offset: int) -> dict:
+    tokens, values, tops = [], [], []
+    if echo:
+        lp = choice.prompt_logprobs or PromptLogprobs(tuple([None] * len(prompt)), tuple(() for _ in prompt))
+        for token, value, top in zip(prompt, lp.logprobs, lp.top):
+            tokens.append(token)
+            values.append(value)
+            tops.append({token_text(service, t.token): t.logprob for t in top} if value is not None else None)
+    for event in choice.logprobs:
+        tokens.append(event.token)
+        values.append(event.logprob)
+        tops.append({token_text(service, t.token): t.logprob for t in event.top})
+    texts = [token_text(service, t) for t in tokens]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completions(service: Service, body: dict, exchange: Exchange):
+    prompts, common, echo = parse.completion(body)
+    model = check_model(service, body)
+    ids = prompt_ids(service, prompts)
+    exchange.prompt_tokens = sum(len(p) for p in ids)
+    deadline = trio.current_time() + service.request_timeout
+    opened = []
+    try:
+        for prompt in ids:
+            opened.append(await submit(service, prompt, common, deadline))
+    except BaseException:
+        await close_all([s for group in opened for s in group])
+        raise
+    streams = [s for group in opened for s in group]
+    head = {"id": f"cmpl-{exchange.id}", "created": int(time.time()), "model": model}
+    echoes = [service.tokenizer.decode(p, skip_special_tokens=False) if echo else "" for p in ids for _ in range(common.n)]
+    if common.stream:
+        return completion_sse(service, streams, common, head, deadline, exchange, echoes)
+    choices = await collect(streams, deadline, exchange.timing)
+    exchange.completion_tokens = sum(len(c.tokens) for c in choices)
+    out = []
+    for c in choices:
+        prompt = ids[c.index // common.n]
+        text = echoes[c.index] + "".join(c.text)
+        logprobs = completion_logprobs(service, c, prompt, echo, 0) if common.sampling.logprobs else None
+        out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+    return {**head, "object": "text_completion", "choices": out, "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)}
+
+
+async def completion_sse(service, streams, common, head, deadline, exchange, echoes) -> AsyncIterator[str]:
+    chunk = {**head, "object": "text_completion"}
+    status = 200
+    try:
+        for index, text in enumerate(echoes):
+            if text:
+                yield sse({**chunk, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]})
+        async for index, event in events(streams, deadline, exchange.timing):
+            if isinstance(event, TokenEvent):
+                exchange.completion_tokens += 1
+                logprobs = None
+                if common.sampling.logprobs:
+                    text = token_text(service, event.token)
+                    logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
+                                "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
+                                "text_offset": [0]}
+                if event.text or logprobs:
+                    yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}]})
+            elif isinstance(event, Finished):
+                reason = "length" if event.reason == "length" else "stop"
+                yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}]})
+            elif isinstance(event, Failed):
+                raise errors.from_engine(event.error)
+        if common.include_usage:
+            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)})
+        yield "data: [DONE]\n\n"
+    except errors.ApiError as error:
+        status = error.status
+        yield sse(error.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        await close_all(streams)
+        exchange.finish(status)

@@ -1,0 +1,200 @@
+"""Request bodies to engine requests: every field checked for type and range, refusals from `errors`.
+
+The OpenAI API refuses arguments it does not know, and so does this server; arguments it knows but this
+server does not honour are refused by name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.sampling import InvalidParameter, SamplingParams
+from . import errors
+
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "stop", "n", "stream", "stream_options", "ignore_eos", "user", "metadata",
+                   "store", "model"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                 "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of"}
+UNSUPPORTED = {"logit_bias", "suffix", "functions", "function_call", "audio", "modalities", "prediction",
+               "web_search_options", "reasoning_effort", "service_tier"}
+MEDIA_PARTS = {"image_url", "input_image", "image", "video_url", "video", "input_audio"}
+MAX_N = 16
+
+
+@dataclass(frozen=True)
+class Common:
+    """What chat and completions requests share once parsed."""
+
+    sampling: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+def check_fields(body: dict, allowed: set[str]) -> None:
+    for key in body:
+        if key in UNSUPPORTED:
+            raise errors.unsupported(key)
+        if key not in allowed:
+            raise errors.unknown_parameter(key)
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], expected: str, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise errors.wrong_type(name, expected)
+    if not isinstance(value, kinds):
+        raise errors.wrong_type(name, expected)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise errors.wrong_type(name, expected)
+    return value
+
+
+def number(body: dict, name: str, default: float) -> float:
+    return float(_get(body, name, (int, float), "a number", default))
+
+
+def integer(body: dict, name: str, default: int | None) -> int | None:
+    return _get(body, name, (int,), "an integer", default)
+
+
+def boolean(body: dict, name: str, default: bool) -> bool:
+    return _get(body, name, (bool,), "a boolean", default)
+
+
+def stops(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise errors.wrong_type("stop", "a string or a list of strings")
+    return tuple(value)
+
+
+def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int, prompt_logprobs: bool = False) -> Common:
+    n = integer(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise errors.out_of_range("n", f"n must be between 1 and {MAX_N}")
+    options = _get(body, "stream_options", (dict,), "an object", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise errors.wrong_type("stream_options.include_usage", "a boolean")
+    if max_tokens is not None and max_tokens < 1:
+        raise errors.out_of_range("max_tokens", "max_tokens must be at least 1")
+    seed = integer(body, "seed", None)
+    sampling = SamplingParams(
+        temperature=number(body, "temperature", 1.0),
+        top_p=number(body, "top_p", 1.0),
+        top_k=integer(body, "top_k", 0),
+        min_p=number(body, "min_p", 0.0),
+        seed=None if seed is None else seed & ((1 << 63) - 1),
+        repetition_penalty=number(body, "repetition_penalty", 1.0),
+        presence_penalty=number(body, "presence_penalty", 0.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0),
+        max_tokens=max_tokens,
+        stop=stops(body),
+        ignore_eos=boolean(body, "ignore_eos", False),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+    try:
+        sampling.validate()
+    except InvalidParameter as error:
+        raise errors.out_of_range(error.param, error.message) from None
+    return Common(sampling, n, boolean(body, "stream", False), include_usage)
+
+
+def text_of(content: Any, index: int, vision: bool) -> str:
+    """A message's content as text: a string, or a list of text parts (media parts refused without --vision)."""
+    where = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise errors.wrong_type(where, "a string or a list of content parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in MEDIA_PARTS:
+            raise errors.vision_off()
+        else:
+            raise errors.wrong_type(where, "a string or a list of content parts")
+    return "".join(texts)
+
+
+def messages(body: dict, vision: bool) -> list[dict]:
+    raw = body.get("messages")
+    if raw is None:
+        raise errors.missing("messages")
+    if not isinstance(raw, list) or not raw:
+        raise errors.wrong_type("messages", "a non-empty list of messages")
+    out = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise errors.wrong_type(f"messages[{i}]", "an object with a 'role'")
+        out.append({**message, "content": text_of(message.get("content"), i, vision)})
+    return out
+
+
+def chat(body: dict, vision: bool) -> tuple[list[dict], Common]:
+    check_fields(body, CHAT_FIELDS)
+    msgs = messages(body, vision)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise errors.unsupported("response_format")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise errors.unsupported("tool_choice")
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise errors.wrong_type("tools", "a list of tools")
+    max_tokens = integer(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = integer(body, "max_tokens", None)
+    wants = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", 0)
+    if top and not wants:
+        raise errors.out_of_range("top_logprobs", "top_logprobs needs logprobs set to true")
+    return msgs, common(body, max_tokens=max_tokens, logprobs=wants, top_logprobs=top)
+
+
+def completion_prompts(body: dict) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, a list of strings, token ids, or lists of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise errors.missing("prompt")
+    expected = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise errors.wrong_type("prompt", expected)
+
+
+def completion(body: dict) -> tuple[list[str | list[int]], Common, bool]:
+    check_fields(body, COMPLETION_FIELDS)
+    prompts = completion_prompts(body)
+    top = integer(body, "logprobs", None)
+    if top is not None and not 0 <= top <= 5:
+        raise errors.out_of_range("logprobs", "logprobs must be between 0 and 5")
+    echo = boolean(body, "echo", False)
+    best_of = integer(body, "best_of", None)
+    if best_of is not None and best_of != integer(body, "n", 1):
+        raise errors.unsupported("best_of")
+    parsed = common(body, max_tokens=integer(body, "max_tokens", 16), logprobs=top is not None, top_logprobs=top or 0,
+                    prompt_logprobs=echo and top is not None)
+    return prompts, parsed, echo

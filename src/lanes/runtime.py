@@ -1,0 +1,77 @@
+"""The runtime: one nursery holding the lane core and the HTTP server; SIGINT and SIGTERM shut it down.
+
+Shutdown order: the lane core stops admitting and fails what waits, live streams get `grace` seconds to
+finish, then hypercorn stops and the nursery closes. A clean shutdown returns normally (exit 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from functools import partial
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config
+
+from .core.lane_core import LaneCore
+from .http.app import create_app
+from .http.service import Service
+
+log = logging.getLogger("lanes")
+
+
+@dataclass(frozen=True)
+class Listening:
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class Runtime:
+    """Starts the lane core and the HTTP server in one nursery; `request_stop()` begins the graceful end."""
+
+    def __init__(self, service: Service, *, host: str = "127.0.0.1", port: int = 8000, grace: float = 30.0) -> None:
+        self.service = service
+        self.host, self.port, self.grace = host, port, grace
+        self._stop = trio.Event()  # set by request_stop (a signal, or a test)
+        self._http_stop = trio.Event()  # set by run once the lane core has drained
+        self.listening: Listening | None = None
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        core: LaneCore = self.service.core
+        config = Config()
+        config.bind = [f"{self.host}:{self.port}"]
+        config.accesslog = None  # the server logs one line a request itself
+        config.graceful_timeout = 5.0
+        async with trio.open_nursery() as nursery:
+            await nursery.start(core.run)
+            binds = await nursery.start(partial(hypercorn.trio.serve, create_app(self.service), config,
+                                                shutdown_trigger=self._http_stop.wait))
+            host, _, port = binds[0].rpartition(":")
+            self.listening = Listening(host.removeprefix("http://").strip("[]"), int(port))
+            log.info("serving %s on %s", self.service.model_name, self.listening.url)
+            task_status.started(self.listening)
+            await self._stop.wait()
+            log.info("shutting down: %.0f s for live streams to finish", self.grace)
+            await core.shutdown(self.grace)
+            self._http_stop.set()
+        log.info("stopped")
+
+
+async def watch_signals(runtime: Runtime) -> None:
+    """The first SIGINT or SIGTERM starts a graceful shutdown; a second one ends the process at once."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for number in signals:
+            if runtime._stop.is_set():
+                log.warning("second %s: exiting now", signal.Signals(number).name)
+                raise SystemExit(130)
+            log.info("%s received", signal.Signals(number).name)
+            runtime.request_stop()

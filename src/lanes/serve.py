@@ -1,0 +1,89 @@
+"""`python -m lanes serve`: load the model, build the lane core and the service, run until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import trio
+
+from .core.lane_core import LaneCore
+from .core.torch_backend import TorchBackend, text_factory
+from .gpu.blocks import BLOCK_SIZE, blocks_for
+from .gpu.device import choose, runner_for
+from .http.service import Service
+from .loader import load_model
+from .models import DEFAULT_MODEL, DEFAULTS, resolve_model
+from .runtime import Runtime, watch_signals
+
+# Flags whose capability is not built yet: refused at start-up by name, never ignored.
+NOT_YET = {
+    "rank": "--rank", "master": "--master", "master_port": "--master-port", "vision": "--vision",
+    "vision_urls": "--vision-urls", "decider": "--decider", "tool_system": "--tool-system",
+}
+
+
+class NotAvailable(Exception):
+    """A flag asks for something this version cannot do."""
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder, a .gguf file or a default's name")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--lanes", type=int, default=8, help="streams decoded together")
+    parser.add_argument("--max-rows", type=int, default=256, help="prompt rows a pass may carry")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane (then 429)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds live streams get to finish at shutdown")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--rank", type=int, default=None, help="this process's rank (with --tp)")
+    parser.add_argument("--master", default=None, help="rank 0's address (with --tp)")
+    parser.add_argument("--master-port", type=int, default=None, help="rank 0's port for torch.distributed (with --tp)")
+    parser.add_argument("--vision", action="store_true", help="accept image and video inputs")
+    parser.add_argument("--vision-urls", action="store_true", help="fetch public HTTPS image URLs")
+    parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
+    parser.add_argument("--tool-system", default=None, help="system prompt file put before requests that carry tools")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+
+
+def refuse_unbuilt(args: argparse.Namespace) -> None:
+    if args.tp != 1:
+        raise NotAvailable("--tp above 1 is not available in this version of lanes")
+    for name, flag in NOT_YET.items():
+        value = getattr(args, name)
+        if value not in (None, False):
+            raise NotAvailable(f"{flag} is not available in this version of lanes")
+
+
+def build_service(args: argparse.Namespace) -> Service:
+    """Load the model and put the lane core and the service together (nothing runs yet)."""
+    placement = choose(args.device, args.dtype)
+    path = resolve_model(args.model)
+    # Enough KV for every lane to hold a whole context, if the budget allows.
+    model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
+    max_model_len = min(args.max_model_len, model.config.max_position, model.kv_blocks * BLOCK_SIZE)
+    backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len)
+    stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue)
+    name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name
+    return Service(core, model.tokenizer, name, model.config.family, max_model_len,
+                   request_timeout=args.request_timeout, api_key=args.api_key)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    service = build_service(args)
+    runtime = Runtime(service, host=args.host, port=args.port, grace=args.shutdown_grace)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_signals, runtime)
+        await runtime.run()
+        nursery.cancel_scope.cancel()
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

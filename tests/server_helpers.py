@@ -1,0 +1,43 @@
+"""A live server in the test's own nursery: the runtime on 127.0.0.1 port 0, torn down and checked after."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import trio
+
+from lanes.core.lane_core import LaneCore
+from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.gpu.device import CpuRunner
+from lanes.http.service import Service
+from lanes.runtime import Runtime
+
+
+def torch_service(model, *, lanes: int = 4, max_rows: int = 64, max_queue: int = 64, max_model_len: int = 256, **options) -> Service:
+    backend = TorchBackend(model, CpuRunner(), lanes=lanes, max_model_len=max_model_len)
+    stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=max_rows, max_queue=max_queue)
+    return Service(core, model.tokenizer, "tiny", model.config.family, max_model_len, **options)
+
+
+@asynccontextmanager
+async def serving(service: Service, grace: float = 5.0):
+    """Yields the base URL; on exit the server shuts down and the lane core's books must balance."""
+    runtime = Runtime(service, host="127.0.0.1", port=0, grace=grace)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(runtime.run)
+            try:
+                yield listening.url
+            finally:
+                runtime.request_stop()
+    core = service.core
+    core.check_integrity()
+    assert core.pool.free == core.pool.total, core.pool.statistics()
+    assert all(job is None for job in core.lanes)
+
+
+def client(url: str, **options):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key=options.pop("api_key", "none"), max_retries=0, **options)
