@@ -69,9 +69,9 @@ def unknown_model(name: str, served: str) -> ApiError:
                     code="model_not_found")
 
 
-def context_exceeded(tokens: int, limit: int) -> ApiError:
+def context_exceeded(tokens: int, limit: int, param: str = "messages") -> ApiError:
     return ApiError(400, f"this request needs {tokens} tokens of context but the model's limit is {limit}; "
-                         "shorten the prompt or lower max_tokens", param="messages", code="context_length_exceeded")
+                         "shorten the prompt or lower max_tokens", param=param, code="context_length_exceeded")
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -129,8 +129,8 @@ def model_failed() -> ApiError:
     return ApiError(503, "the model failed and the server is stopping", type="server_error", code="model_failed")
 
 
-def from_engine(error: Exception) -> ApiError:
-    """The frozen answer for an error the lane core raised."""
+def from_engine(error: Exception, prompt_param: str = "messages") -> ApiError:
+    """The frozen answer for an error the lane core raised (`prompt_param` names where the prompt came from)."""
     if isinstance(error, InvalidParameter):
         return out_of_range(error.param, error.message)
     if isinstance(error, QueueFull):
@@ -138,7 +138,7 @@ def from_engine(error: Exception) -> ApiError:
     if isinstance(error, ShuttingDown):
         return shutting_down()
     if isinstance(error, PromptTooLong):
-        return context_exceeded(error.tokens, error.limit)
+        return context_exceeded(error.tokens, error.limit, prompt_param)
     if isinstance(error, QueueTimeout):
         return deadline_exceeded()
     if isinstance(error, BackendFailed):

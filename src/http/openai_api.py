@@ -58,11 +58,11 @@ class Exchange:
                               status, self.prompt_tokens, self.completion_tokens, ttft, total)
 
 
-async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float):
+async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float, param: str):
     try:
         return await open_streams(service.core, prompt, common.sampling, common.n, deadline)
     except (EngineError, InvalidParameter) as error:
-        raise errors.from_engine(error) from None
+        raise errors.from_engine(error, param) from None
 
 
 def token_text(service: Service, token: int) -> str:
@@ -98,7 +98,7 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     prompt = tokenizer.encode_prompt(text)
     exchange.prompt_tokens = len(prompt)
     deadline = trio.current_time() + service.request_timeout
-    streams = await submit(service, prompt, common, deadline)
+    streams = await submit(service, prompt, common, deadline, "messages")
     head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
     if common.stream:
         return chat_sse(service, streams, common, head, deadline, exchange)
@@ -197,7 +197,7 @@ async def completions(service: Service, body: dict, exchange: Exchange):
     opened = []
     try:
         for prompt in ids:
-            opened.append(await submit(service, prompt, common, deadline))
+            opened.append(await submit(service, prompt, common, deadline, "prompt"))
     except BaseException:
         await close_all([s for group in opened for s in group])
         raise

@@ -99,9 +99,16 @@ class LaneCore:
         """Take over a stream whose prompt a driver prefilled into `blocks` (held by `owner`, handed over here)."""
         return await self._ask(Adopt(request, tuple(blocks), owner, first_token, Reply()))
 
+    def begin_shutdown(self, grace: float) -> None:
+        """Stop admission, fail what waits, let live streams finish for `grace` seconds (returns at once)."""
+        try:
+            self._send(Shutdown(grace))
+        except ShuttingDown:
+            pass  # already stopped: nothing left to shut down
+
     async def shutdown(self, grace: float) -> None:
-        """Stop admission, fail what waits, let live streams finish for `grace` seconds; returns once stopped."""
-        self._send(Shutdown(grace))
+        """`begin_shutdown`, then wait until the lane core has stopped."""
+        self.begin_shutdown(grace)
         await self._stopped.wait()
 
     def _send(self, command) -> None:

@@ -1,0 +1,26 @@
+"""The golden test: every bad request in tests/golden_server.py against a live server, each answer diffed
+with its frozen copy in tests/golden/errors.json; the server answers /health after each; no 500 anywhere.
+
+Rules: live servers on 127.0.0.1 port 0 (a fake backend and a tiny tokenizer: the refusals are the HTTP
+layer's); states such as a full queue or a shutdown are made by holding a pass, never by sleeping.
+"""
+
+import json
+
+import trio
+
+from golden_server import CASES, GOLDEN, answers
+
+
+async def test_every_refusal_matches_its_frozen_answer(tmp_path):
+    frozen = json.loads(GOLDEN.read_text())
+    assert set(frozen) == set(CASES)
+    with trio.fail_after(120):
+        live = await answers(tmp_path)
+    for name in CASES:
+        assert live[name] == frozen[name], name
+    assert all(400 <= answer["status"] < 500 or answer["status"] == 503 for answer in live.values())
+    assert frozen["image-without-vision"]["body"]["error"]["message"] == "image and video inputs need a server started with --vision"
+    assert frozen["queue-full"]["status"] == 429 and frozen["queue-full"]["retry_after"] == "1"
+    assert frozen["decisions-without-decider"]["status"] == 404
+    assert frozen["shutting-down"]["status"] == 503

@@ -1,0 +1,162 @@
+"""The server under load and at its edges: 32 streaming clients with a third disconnecting, deadlines,
+the API key, tokenize and detokenize, /metrics, and `python -m lanes serve` ending cleanly on SIGTERM.
+
+Rules: live servers on 127.0.0.1 port 0; tiny models built in the test; clients disconnect by closing
+their response; held passes (never sleeps) make the slow cases; every test under `trio.fail_after`; the
+lane core's integrity and a balanced block pool are checked when each server stops.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+
+import tiny
+from golden_server import HELLO, fake_service
+from lanes.gpu.device import choose
+from lanes.loader import load_model
+from server_helpers import serving, torch_service
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny.build("llama", folder, max_position_embeddings=512)
+    return load_model(folder, choose("cpu", "fp32"), kv_blocks=400, quiet=True)
+
+
+def body(i: int, stream: bool) -> dict:
+    return {"messages": [{"role": "user", "content": f"story {i}: the cat"}], "temperature": 0, "max_tokens": 16,
+            "stream": stream, "ignore_eos": True}
+
+
+async def stream_text(http: httpx.AsyncClient, payload: dict, leave_after: int | None) -> str | None:
+    """The streamed text, or None when the client leaves after `leave_after` chunks."""
+    parts, seen = [], 0
+    async with http.stream("POST", CHAT, json=payload) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            seen += 1
+            if leave_after is not None and seen > leave_after:
+                return None  # closing the response here is the disconnect
+            choice = json.loads(line[6:])["choices"][0]
+            parts.append(choice["delta"].get("content") or "")
+    return "".join(parts)
+
+
+async def test_32_streaming_clients_a_third_leaving_the_rest_equal_their_solo_runs(tiny_model):
+    service = torch_service(tiny_model, lanes=8, max_rows=128)
+    chooser = random.Random(5)
+    leaving = {i: chooser.randint(1, 12) for i in chooser.sample(range(32), 11)}
+    results: dict[int, str | None] = {}
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=64)) as http:
+
+            async def client(i):
+                results[i] = await stream_text(http, body(i, True), leaving.get(i))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(32):
+                    nursery.start_soon(client, i)
+            solo = {}
+            for i in range(32):
+                if i not in leaving:
+                    reply = (await http.post(CHAT, json=body(i, False))).json()
+                    solo[i] = reply["choices"][0]["message"]["content"]
+            info = (await http.get("/v1/info")).json()
+    assert all(results[i] is None for i in leaving)
+    assert {i: results[i] for i in solo} == solo
+    assert info["lanes_busy"] == 0 and info["kv_blocks"]["free"] == info["kv_blocks"]["total"]
+    stats = service.core.statistics()
+    # A client that leaves after its stream already ended in the engine cancels nothing.
+    assert 1 <= stats.streams_cancelled <= 11 and stats.streams_cancelled + stats.streams_finished == 32 + 21
+
+
+async def test_past_its_deadline_a_request_gets_a_timeout_and_a_stream_an_error_event(tmp_path):
+    service, backend = fake_service(tmp_path, request_timeout=0.3)
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            entered, release = backend.hold()
+            plain = await http.post(CHAT, json={"messages": HELLO, "max_tokens": 4})  # its pass is held past 0.3 s
+            assert entered.is_set()
+            assert plain.status_code == 504
+            assert plain.json()["error"]["code"] == "deadline_exceeded"
+            release.set()
+            entered, release = backend.hold()
+            async with http.stream("POST", CHAT, json={"messages": HELLO, "max_tokens": 4, "stream": True}) as response:
+                lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+            release.set()
+    assert json.loads(lines[-2][6:])["error"]["code"] == "deadline_exceeded"
+    assert lines[-1] == "data: [DONE]"
+
+
+async def test_the_api_key_is_required_and_health_is_open(tmp_path):
+    service, _ = fake_service(tmp_path, api_key="s3cret")
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 401
+            ok = await http.post(CHAT, json={"messages": HELLO, "max_tokens": 2},
+                                 headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+
+
+async def test_tokenize_detokenize_models_info_and_metrics(tiny_model):
+    service = torch_service(tiny_model)
+    tokenizer = tiny_model.tokenizer
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            tokens = (await http.post("/v1/tokenize", json={"prompt": "the cat in the hat"})).json()
+            assert tokens["tokens"] == tokenizer.encode("the cat in the hat") and tokens["count"] == len(tokens["tokens"])
+            chat = (await http.post("/v1/tokenize", json={"messages": HELLO})).json()
+            assert chat["tokens"] == tokenizer.encode_prompt(tokenizer.render_chat(HELLO))
+            text = (await http.post("/v1/detokenize", json={"tokens": tokens["tokens"]})).json()
+            assert text == {"prompt": "the cat in the hat"}
+            models = (await http.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["tiny"]
+            info = (await http.get("/v1/info")).json()
+            assert (info["model"], info["family"], info["lanes"], info["tp"], info["vision"], info["decides"]) == \
+                ("tiny", "llama", 4, 1, False, False)
+            assert info["admission"]["max_queue"] == 64 and info["admission"]["max_model_len"] == 256
+            await http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            metrics = (await http.get("/metrics")).text
+    lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert float(lines['lanes_requests_total{endpoint="chat",status="200"}']) == 1.0
+    assert float(lines["lanes_completion_tokens_total"]) == 5.0
+    assert float(lines["lanes_time_to_first_token_seconds_count"]) == 1.0
+    assert float(lines["lanes_inter_token_seconds_count"]) == 4.0
+    assert float(lines["lanes_lanes"]) == 4.0 and float(lines["lanes_queue_length"]) == 0.0
+
+
+def test_serve_ends_cleanly_on_sigterm_and_refuses_unbuilt_flags(tmp_path):
+    tiny.build("llama", tmp_path)
+    refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--decider"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "lanes: error: --decider is not available in this version of lanes"
+    server = subprocess.Popen([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--port", "0",
+                               "--device", "cpu", "--max-model-len", "128"], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in server.stderr:
+            if "serving" in line:
+                url = line.rsplit(" on ", 1)[1].strip()
+                break
+        reply = httpx.post(f"{url}{CHAT}", json={"messages": HELLO, "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        rest = server.stderr.read()
+        assert "SIGTERM received" in rest and "stopped" in rest and "Traceback" not in rest
+    finally:
+        server.kill()
