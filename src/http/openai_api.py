@@ -144,6 +144,9 @@ async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncI
         status = error.status
         yield sse(error.body())
         yield "data: [DONE]\n\n"
+    except BaseException:
+        status = 499  # the client went away mid-stream (or a bug, which the log shows)
+        raise
     finally:
         await close_all(streams)
         exchange.finish(status)
@@ -247,6 +250,9 @@ async def completion_sse(service, streams, common, head, deadline, exchange, ech
         status = error.status
         yield sse(error.body())
         yield "data: [DONE]\n\n"
+    except BaseException:
+        status = 499  # the client went away mid-stream (or a bug, which the log shows)
+        raise
     finally:
         await close_all(streams)
         exchange.finish(status)

@@ -1,0 +1,200 @@
+"""Triton kernels of the decode path: paged attention over the block pool, and the fusions that cut a
+layer's launches from ~35 to 9 (residual add with RMSNorm, RoPE with the KV write, SiLU with the product).
+
+Imported only where Triton is (the CUDA path; tests run them on the CPU under TRITON_INTERPRET=1). Each
+kernel computes in float32 and rounds where the eager path rounds, so greedy tokens agree with it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total, acc,
+                 kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """One tile of a lane's context: scores, the online softmax's running max and sum, the weighted values."""
+    positions = start + tl.arange(0, TILE)
+    valid = positions < length
+    blocks = tl.load(tables_ptr + lane * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0)
+    slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    kv_mask = valid[:, None] & dim_ok[None, :]
+    k = tl.load(k_ptr + slots[:, None] * kv_stride_s + kv_head * kv_stride_h + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slots[:, None] * kv_stride_s + kv_head * kv_stride_h + dims[None, :], mask=kv_mask, other=0.0)
+    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    tile_best = tl.maximum(best, tl.max(scores, axis=1))
+    rescale = tl.exp(best - tile_best)
+    weights = tl.exp(scores - tile_best[:, None])
+    total = total * rescale + tl.sum(weights, axis=1)
+    acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return tile_best, total, acc
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+                         q_stride_b, q_stride_h, kv_stride_s, kv_stride_h, out_stride_b, out_stride_h, tables_stride,
+                         MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                         LOOP_TO_LENGTH: tl.constexpr):
+    lane = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
+    dims = tl.arange(0, BLOCK_D)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    q_heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + lane * q_stride_b + q_heads[:, None] * q_stride_h + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    length = tl.load(lens_ptr + lane)
+    best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    # On a GPU the loop stops at the lane's length (read on the device, so a captured graph stays right);
+    # Triton's interpreter cannot bound a loop by a loaded value, so there it runs to the table's end.
+    if LOOP_TO_LENGTH:
+        for start in range(0, length, TILE):
+            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
+                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE)
+    else:
+        for start in range(0, MAX_TOKENS, TILE):
+            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
+                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE)
+    out = acc / total[:, None]
+    tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
+                           lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query row a lane over its whole context, read through its block table.
+
+    q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
+    lens: [B] int32 context lengths (the new row included) -> [B, Hq, D].
+    """
+    lanes, hq, d = q.shape
+    hkv = cache_k.shape[1]
+    group = hq // hkv
+    out = torch.empty(lanes, hq, d, device=q.device, dtype=q.dtype) if out is None else out
+    _paged_decode_kernel[(lanes, hkv)](
+        q, cache_k, cache_v, out, tables, lens, scale,
+        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        MAX_TOKENS=tables.shape[1] * block_size, LOOP_TO_LENGTH=not INTERPRETED, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_SIZE=block_size, TILE=max(block_size, 64),
+    )
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, res_out_ptr, eps, n_cols,
+                         x_stride, res_stride, out_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * res_stride + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)  # the eager path adds in the model dtype
+    tl.store(res_out_ptr + row * res_stride + cols, x, mask=ok)
+    x32 = x.to(tl.float32)
+    normed = x32 * tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+    out = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); with no residual, x itself is the new residual.
+
+    x, residual: [T, H] -> ([T, H], [T, H]). `residual_out` may be `residual` (updated in place).
+    """
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual_out is None else residual_out
+    _add_rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, res_out, eps, cols,
+        x.stride(0), res_out.stride(0), out.stride(0),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+    )
+    return out, res_out
+
+
+@triton.jit
+def _rope_write_kernel(qkv_ptr, positions_ptr, slots_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                       attention_scale, qkv_stride, q_out_stride_t, q_out_stride_h, kv_stride_s, kv_stride_h,
+                       HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a key head (with its value head)
+    half = tl.arange(0, HALF)
+    position = tl.load(positions_ptr + token).to(tl.float32)
+    freqs = position * tl.load(inv_freq_ptr + half)
+    cos = (tl.cos(freqs) * attention_scale).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    sin = (tl.sin(freqs) * attention_scale).to(q_out_ptr.dtype.element_ty).to(tl.float32)
+    base = qkv_ptr + token * qkv_stride + head * HEAD_DIM
+    x1 = tl.load(base + half).to(tl.float32)
+    x2 = tl.load(base + HALF + half).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    # The eager path rounds each product and the sum to the model dtype.
+    lo = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    hi = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    if head < HQ:
+        out = q_out_ptr + token * q_out_stride_t + head * q_out_stride_h
+        tl.store(out + half, lo)
+        tl.store(out + HALF + half, hi)
+    else:
+        kv_head = head - HQ
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        k_out = k_cache_ptr + slot * kv_stride_s + kv_head * kv_stride_h
+        tl.store(k_out + half, lo.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_out + HALF + half, hi.to(k_cache_ptr.dtype.element_ty))
+        v_in = qkv_ptr + token * qkv_stride + (HQ + HKV + kv_head) * HEAD_DIM
+        v_out = v_cache_ptr + slot * kv_stride_s + kv_head * kv_stride_h
+        tl.store(v_out + half, tl.load(v_in + half))
+        tl.store(v_out + HALF + half, tl.load(v_in + HALF + half))
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
+                  attention_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor, hq: int, hkv: int,
+                  head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q and k by their positions; store k and v in the cache at `slots`; return the rotated q.
+
+    qkv: [T, (hq + 2 hkv) * D] with q/k already normed where the family norms them; positions, slots: [T];
+    inv_freq: [D / 2] float32 -> q: [T, hq, D].
+    """
+    tokens = qkv.shape[0]
+    q_out = torch.empty(tokens, hq, head_dim, device=qkv.device, dtype=qkv.dtype) if q_out is None else q_out
+    _rope_write_kernel[(tokens, hq + hkv)](
+        qkv, positions, slots, inv_freq, q_out, cache_k, cache_v, attention_scale,
+        qkv.stride(0), q_out.stride(0), q_out.stride(1), cache_k.stride(0), cache_k.stride(1),
+        HQ=hq, HKV=hkv, HEAD_DIM=head_dim, HALF=head_dim // 2,
+    )
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, x_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # the eager path rounds silu's result
+    tl.store(out_ptr + row * out_stride + cols, (act * up).to(dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up: [T, I]."""
+    rows, width = gate_up.shape
+    half = width // 2
+    out = torch.empty(rows, half, device=gate_up.device, dtype=gate_up.dtype)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(half, block))](gate_up, out, half, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out
