@@ -72,7 +72,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
 
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
-                           lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                           lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None,
+                           tile: int = 32) -> torch.Tensor:
     """One query row a lane over its whole context, read through its block table.
 
     q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
@@ -86,7 +87,7 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         q, cache_k, cache_v, out, tables, lens, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         MAX_TOKENS=tables.shape[1] * block_size, LOOP_TO_LENGTH=not INTERPRETED, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_SIZE=block_size, TILE=max(block_size, 64),
+        BLOCK_SIZE=block_size, TILE=max(block_size, tile),
     )
     return out
 

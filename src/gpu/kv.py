@@ -20,16 +20,18 @@ class KVShape:
 
 
 class KVCache:
-    """K and V for `blocks` blocks: `data` is [layers, 2, blocks * block_size, kv_heads, head_dim].
+    """K and V for `blocks` blocks: `data` is [layers, 2, (blocks + 1) * block_size, kv_heads, head_dim].
 
     A token's slot is `block * block_size + offset`; block ids are the pool's. Written only by passes,
-    in the order the lane core runs them.
+    in the order the lane core runs them. One more block, `scratch_block`, is outside the pool: the padding
+    rows of a captured decode graph write there, so they can never touch a lane's KV.
     """
 
     def __init__(self, shape: KVShape, blocks: int, *, device: torch.device, dtype: torch.dtype) -> None:
         self.shape = shape
         self.blocks = blocks
-        slots = blocks * shape.block_size
+        self.scratch_block = blocks
+        slots = (blocks + 1) * shape.block_size
         self.data = torch.zeros(shape.layers, 2, slots, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take, queue included")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds live streams get to finish at shutdown")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
@@ -68,7 +69,8 @@ def build_service(args: argparse.Namespace) -> Service:
     # Enough KV for every lane to hold a whole context, if the budget allows.
     model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
     max_model_len = min(args.max_model_len, model.config.max_position, model.kv_blocks * BLOCK_SIZE)
-    backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len)
+    backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
+                           graphs=not args.no_graphs)
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue)
     name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from ..gpu.device import CpuRunner, CudaRunner
+from ..gpu.graphs import DecodeGraphs, graphs_enabled
 from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
@@ -22,13 +23,19 @@ from .stops import TextAssembler
 class TorchBackend:
     """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
 
-    def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None) -> None:
+    def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None,
+                 graphs: bool = True) -> None:
         self.model = model
         self.decoder = model.decoder
         self.runner = runner
         length = min(max_model_len or model.config.max_position, model.config.max_position)
         self._shape = BackendShape(lanes, model.kv_blocks, model.decoder.kv.shape.block_size, model.config.vocab_size, length)
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
+        self.graphs = None
+        if graphs_enabled(model.placement.device, graphs):
+            self.graphs = DecodeGraphs(self.decoder, lanes, length)
+            with torch.cuda.stream(runner.torch_stream):
+                self.graphs.capture()
 
     @property
     def shape(self) -> BackendShape:
@@ -51,7 +58,11 @@ class TorchBackend:
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
         """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
-        logits = self.decoder.forward(plan.pieces)  # [R, V]: each piece's asked-for rows, in order
+        pieces = plan.pieces
+        if self.graphs is not None and plan.prefills == 0 and self.graphs.fits(pieces):
+            logits = self.graphs.run(pieces)  # [R, V]: a captured decode step
+        else:
+            logits = self.decoder.forward(pieces)  # [R, V]: each piece's asked-for rows, in order
         device = logits.device
         draw_rows, rows, target_rows, targets = [], [], [], []
         offset = 0

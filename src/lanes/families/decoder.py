@@ -90,6 +90,13 @@ class Decoder:
         inputs = PassInputs(pieces, self.kv.shape.block_size, self.device)
         return self.forward_inputs(inputs)
 
+    @torch.inference_mode()
+    def decode_step(self, tokens, positions, slots, lens, tables) -> torch.Tensor:
+        """The fast decode step (Triton kernels, static shapes): see `fast_decode.decode_step`."""
+        from .fast_decode import decode_step
+
+        return decode_step(self, tokens, positions, slots, lens, tables)
+
     def forward_inputs(self, inputs: PassInputs) -> torch.Tensor:
         x = self.embed(inputs.tokens)  # [T, hidden]
         cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)

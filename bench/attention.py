@@ -1,0 +1,97 @@
+"""Paged decode attention on the GPU: our Triton kernel beside the well-kept alternatives, in one run.
+
+    python bench/attention.py
+
+One query row a lane over its context (Qwen2.5-0.5B's heads: 14 query, 2 KV, head dim 64; bf16), lanes'
+blocks scattered through a pool. Contenders: the eager path (gather the lanes' blocks, then SDPA),
+FlexAttention (compiled) over the same gathered keys with a length mask, and the Triton kernel reading
+block tables directly, at several tile sizes. Checks every output against the eager path, then prints
+one table of microseconds a call (median of CUDA-event timings).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from lanes.gpu import kernels
+from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
+
+HQ, HKV, D, BS = 14, 2, 64, 16
+
+
+def timed(fn, repeat: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def case(lanes: int, context: int):
+    g = torch.Generator(device="cuda").manual_seed(lanes + context)
+    per_lane = -(-context // BS)
+    pool = lanes * per_lane + 8
+    cache_k = torch.randn(pool * BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache_v = torch.randn(pool * BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    order = torch.randperm(pool, device="cuda", generator=g)[: lanes * per_lane].view(lanes, per_lane)
+    lens = torch.full((lanes,), context, dtype=torch.int64, device="cuda")
+    q = torch.randn(lanes, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    spans = [RowSpan(context - 1, 1, order[i].tolist()) for i in range(lanes)]
+    return q, cache_k, cache_v, order, lens, PagedRows.build(spans, BS, torch.device("cuda"))
+
+
+def main() -> None:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for lanes, context in [(1, 256), (16, 256), (64, 256), (64, 1024), (1, 4096)]:
+        q, ck, cv, tables, lens, paged = case(lanes, context)
+        scale = D**-0.5
+        reference = paged_attention(q, ck, cv, paged, scale).float()
+        results = {"gather + SDPA": timed(lambda: paged_attention(q, ck, cv, paged, scale))}
+        kp = ck.index_select(0, paged.k_slots).view(lanes, context, HKV, D).transpose(1, 2)
+        vp = cv.index_select(0, paged.k_slots).view(lanes, context, HKV, D).transpose(1, 2)
+        lens_dev = lens
+
+        def inside(b, h, q_idx, kv_idx):
+            return kv_idx < lens_dev[b]
+
+        try:
+            mask = create_block_mask(inside, lanes, None, 1, context, device="cuda")
+            qf = q[:, :, None, :]
+
+            def run_flex():
+                gathered_k = ck.index_select(0, paged.k_slots).view(lanes, context, HKV, D).transpose(1, 2)
+                gathered_v = cv.index_select(0, paged.k_slots).view(lanes, context, HKV, D).transpose(1, 2)
+                return flex(qf, gathered_k, gathered_v, block_mask=mask, scale=scale, enable_gqa=True)
+
+            out = run_flex()[:, :, 0, :].float()
+            assert ((out - reference).norm() / reference.norm()).item() < 1e-2
+            results["gather + FlexAttention"] = timed(run_flex)
+        except Exception as error:  # reported, not fatal: the table says what could not run
+            print(f"FlexAttention failed at {lanes}x{context}: {type(error).__name__}: {error}")
+        del kp, vp
+        for tile in (16, 32, 64):
+            out = kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile).float()
+            error = ((out - reference).norm() / reference.norm()).item()
+            assert error < 1e-2, error
+            results[f"Triton paged, tile {tile}"] = timed(lambda: kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile))
+        rows.append((lanes, context, results))
+    names = list(dict.fromkeys(name for _, _, r in rows for name in r))
+    print(f"\npaged decode attention, bf16, {HQ} query / {HKV} KV heads, head dim {D}, {torch.cuda.get_device_name()} (us a call)")
+    print(f"{'lanes x context':<16}" + "".join(f"{n:>24}" for n in names))
+    for lanes, context, results in rows:
+        print(f"{f'{lanes} x {context}':<16}" + "".join(f"{results[n]:>24.1f}" if n in results else f"{'-':>24}" for n in names))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The GPU benchmark: our engine beside transformers on a Qwen2.5-0.5B-shaped model, in one run.
+
+    python bench/gpu.py [--streams 1,16,64] [--prompt 128] [--new 128] [--quick]
+
+A model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
+vocabulary 151936, tied embeddings) with random bf16 weights from a fixed seed, saved once and read by
+every contender. 128-token prompts, 128 new tokens, end-of-sequence ignored, greedy. Contenders: our engine
+in-process (CUDA graphs, and eager for reference) and through HTTP; transformers' generate() on a static
+batch, generate() with the static cache, and generate_batch (continuous batching); and the floor, the
+weight bytes over the copy bandwidth measured here. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from lanes.core.lane_core import LaneCore
+from lanes.core.sampling import SamplingParams
+from lanes.core.stream import Finished, Request, TokenEvent
+from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.gpu.blocks import blocks_for
+from lanes.gpu.device import choose, runner_for
+from lanes.loader import load_model
+
+SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+             rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build(folder: Path):
+    """The random model, in bf16 on the GPU, saved with a small tokenizer for our loader."""
+    from tokenizers import Tokenizer, models
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16).eval()
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(256)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    return model
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second by a large device-to-device copy (median of 10)."""
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 2 / statistics.median(times[2:])
+
+
+async def run_engine(backend, model, prompts, new: int) -> tuple[float, float]:
+    """(tokens/s, mean time to first token) for these prompts as concurrent streams."""
+    core = LaneCore(backend, text_factory(model.tokenizer), [], max_rows=4096, max_queue=1024)
+    sampling = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    firsts, produced = [], 0
+
+    async def one(prompt):
+        nonlocal produced
+        start, first = time.perf_counter(), None
+        stream = await core.submit(Request(tuple(prompt), sampling))
+        async for event in stream.events:
+            if first is None and isinstance(event, TokenEvent):
+                first = time.perf_counter() - start
+            if isinstance(event, Finished):
+                produced += event.completion_tokens
+        firsts.append(first)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(core.run)
+        began = time.perf_counter()
+        async with trio.open_nursery() as clients:
+            for prompt in prompts:
+                clients.start_soon(one, prompt)
+        took = time.perf_counter() - began
+        await core.shutdown(0)
+    core.check_integrity()
+    assert produced == new * len(prompts), produced
+    return produced / took, statistics.mean(firsts)
+
+
+async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
+    import httpx
+
+    from lanes.http.service import Service
+    from lanes.runtime import Runtime
+
+    core = LaneCore(backend, text_factory(model.tokenizer), [], max_rows=4096, max_queue=1024)
+    service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len)
+    runtime = Runtime(service, port=0)
+    firsts, produced = [], 0
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(runtime.run)
+        limits = httpx.Limits(max_connections=len(prompts) + 8)
+        async with httpx.AsyncClient(base_url=listening.url, timeout=600, limits=limits) as http:
+
+            async def one(prompt):
+                nonlocal produced
+                start, first = time.perf_counter(), None
+                body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {") and first is None:
+                            first = time.perf_counter() - start
+                        if line.startswith("data: {") and '"usage"' in line:
+                            produced += json.loads(line[6:])["usage"]["completion_tokens"]
+                firsts.append(first)
+
+            began = time.perf_counter()
+            async with trio.open_nursery() as clients:
+                for prompt in prompts:
+                    clients.start_soon(one, prompt)
+            took = time.perf_counter() - began
+        runtime.request_stop()
+    assert produced == new * len(prompts), produced
+    return produced / took, statistics.mean(firsts)
+
+
+def run_generate(model, prompts, new: int, **options) -> tuple[float, float]:
+    ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(ids)
+
+    def go(tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       pad_token_id=0, **options)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    go(2)  # warm-up (and, with the static cache, its compilation)
+    ttft = go(1)
+    return len(prompts) * new / go(new), ttft
+
+
+def run_generate_batch(model, prompts, new: int) -> tuple[float, float]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=[list(p) for p in prompts[:2]], generation_config=config, progress_bar=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config, progress_bar=False)
+    torch.cuda.synchronize()
+    took = time.perf_counter() - start
+    produced = sum(len(r.generated_tokens) for r in out.values())
+    return produced / took, float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,16,64")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="only our engine (no transformers peers)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.streams.split(",")]
+    most = max(counts)
+    rows: list[tuple[str, int, float, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        say("building the model ...")
+        reference = build(folder)
+        weight_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+        placement = choose("cuda", "bf16")
+        context = args.prompt + args.new
+        model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
+        generator = torch.Generator().manual_seed(1)
+        prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=generator).tolist()
+        for graphs in (True, False):
+            backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16, graphs=graphs)
+            trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
+            for n in counts if graphs else [1, most]:
+                say(f"lanes {'graphs' if graphs else 'eager'}, {n} streams ...")
+                rate, ttft = trio.run(run_engine, backend, model, prompts[:n], args.new)
+                rows.append((f"lanes{'' if graphs else ' (eager)'}", n, rate, ttft))
+            if graphs:
+                say(f"lanes through HTTP, {most} streams ...")
+                rate, ttft = trio.run(run_http, backend, model, prompts[:most], args.new)
+                rows.append(("lanes via HTTP", most, rate, ttft))
+        if not args.quick:
+            for n in counts:
+                say(f"generate(), {n} ...")
+                rows.append(("generate()", n, *run_generate(reference, prompts[:n], args.new)))
+            say("generate(static cache), 1 ...")
+            try:
+                rows.append(("generate(static)", 1, *run_generate(reference, prompts[:1], args.new, cache_implementation="static")))
+            except Exception as error:  # a peer that cannot run here is reported, not fatal
+                say(f"generate(static) failed: {type(error).__name__}: {error}")
+            say(f"generate_batch, {most} ...")
+            try:
+                rows.append(("generate_batch", most, *run_generate_batch(reference, prompts, args.new)))
+            except Exception as error:
+                say(f"generate_batch failed: {type(error).__name__}: {error}")
+        bandwidth = copy_bandwidth()
+    floor_step = weight_bytes / bandwidth
+    print(f"\nQwen2.5-0.5B shape, bf16, {torch.cuda.get_device_name()}, prompt {args.prompt}, new {args.new}, greedy")
+    print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_step * 1e3:.3f} ms a decode step")
+    print(f"{'contender':<18} {'streams':>7} {'tok/s':>9} {'ttft ms':>8} {'x generate()':>12} {'x best peer':>11} {'of floor':>8}")
+    peers = {n: [r for name, m, r, _ in rows if m == n and not name.startswith("lanes")] for n in counts}
+    generate = {n: r for name, n, r, _ in rows if name == "generate()"}
+    for name, n, rate, ttft in rows:
+        gen = f"{rate / generate[n]:.2f}" if n in generate and name.startswith("lanes") else ""
+        best = f"{rate / max(peers[n]):.2f}" if peers.get(n) and name.startswith("lanes") else ""
+        floor = rate / (n / floor_step)
+        print(f"{name:<18} {n:>7} {rate:>9.0f} {ttft * 1e3:>8.1f} {gen:>12} {best:>11} {floor:>8.2f}")
+    for n in counts:
+        print(f"{'floor':<18} {n:>7} {n / floor_step:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The decode step of the fast path: one row a lane, nine launches a layer, static shapes for CUDA graphs.
+
+Same math as `Decoder.forward` for decode rows, with Triton kernels (residual add fused into RMSNorm,
+RoPE fused with the KV write, SiLU fused with the product, paged attention reading block tables).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..gpu import kernels
+from .decoder import Decoder, rms_norm
+
+
+def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """tokens, positions, slots, lens: [B] int64; tables: [B, width] int64 -> logits [B, vocab]."""
+    config, w = decoder.config, decoder.weights
+    d, hq, hkv, eps = config.head_dim, decoder.heads, decoder.kv_heads, config.rms_eps
+    block_size = decoder.kv.shape.block_size
+    x = decoder.embed(tokens)  # [B, hidden]
+    residual = None
+    for index, layer in enumerate(w.layers):
+        h, residual = kernels.add_rms_norm(x, residual, layer.input_norm, eps)
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [B, (hq + 2 hkv) * D]
+        if layer.q_norm is not None:
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            b = qkv.shape[0]
+            q = rms_norm(q.reshape(b, hq, d), layer.q_norm, eps).reshape(b, hq * d)
+            k = rms_norm(k.reshape(b, hkv, d), layer.k_norm, eps).reshape(b, hkv * d)
+            qkv = torch.cat([q, k, v], dim=-1)
+        cache_k, cache_v = decoder.kv.layer(index)
+        q = kernels.rope_write_kv(qkv, positions, slots, decoder.inv_freq, decoder.rope_scale, cache_k, cache_v, hq, hkv, d)
+        attended = kernels.paged_decode_attention(q, cache_k, cache_v, tables, lens, decoder.scale, block_size)
+        x = decoder.row_parallel(attended.reshape(-1, hq * d), layer.o, layer.o_bias)
+        h, residual = kernels.add_rms_norm(x, residual, layer.post_norm, eps)
+        gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
+        x = decoder.row_parallel(kernels.silu_mul(gate_up), layer.down, layer.down_bias)
+    h, _ = kernels.add_rms_norm(x, residual, w.norm, eps)
+    local = F.linear(h, w.head)
+    if decoder.shard.world == 1:
+        return local
+    return decoder.comm.all_gather(local, dim=-1)[:, : config.vocab_size]
