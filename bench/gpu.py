@@ -107,7 +107,7 @@ async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
     from lanes.runtime import Runtime
 
     core = LaneCore(backend, text_factory(model.tokenizer), [], max_rows=4096, max_queue=1024)
-    service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len)
+    service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len, vocab_size=model.config.vocab_size)
     runtime = Runtime(service, port=0)
     firsts, produced = [], 0
     async with trio.open_nursery() as nursery:
@@ -169,6 +169,44 @@ def run_generate_batch(model, prompts, new: int) -> tuple[float, float]:
     return produced / took, float("nan")
 
 
+def step_times(backend, lanes: int, context: int) -> tuple[float, float]:
+    """(graph replay, whole pass) seconds for one decode step of `lanes` lanes at `context` tokens.
+
+    The replay is timed with CUDA events (device time only); the whole pass (input packing, replay,
+    sampling, the read-back) with the host clock, as the lane core runs it minus the lane core itself.
+    """
+    from lanes.core.passes import Piece
+    from lanes.core.plan import Plan, Work
+    from lanes.core.sampling import RowSampling
+    from lanes.gpu.blocks import BlockPool, BlockTable
+
+    pool = BlockPool(backend.shape.blocks)
+    tables = [BlockTable(("lane", i)) for i in range(lanes)]
+    for t in tables:
+        t.reserve(pool, context + 1)
+    pieces = [Piece(i, (5,), context, tuple(t.blocks)) for i, t in enumerate(tables)]
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    plan = Plan(0, tuple(Work(p, sample=RowSampling(p.lane, greedy, 0)) for p in pieces), 0)
+    with torch.cuda.stream(backend.runner.torch_stream):
+        for _ in range(3):
+            backend.run_pass(plan)
+        replays = []
+        for _ in range(30):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            backend.graphs.run(pieces)
+            end.record()
+            end.synchronize()
+            replays.append(start.elapsed_time(end) / 1e3)
+        began = time.perf_counter()
+        for _ in range(30):
+            backend.run_pass(plan)
+        whole = (time.perf_counter() - began) / 30
+    for t in tables:
+        t.clear(pool)
+    return statistics.median(replays), whole
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="1,16,64")
@@ -179,6 +217,7 @@ def main() -> None:
     counts = [int(n) for n in args.streams.split(",")]
     most = max(counts)
     rows: list[tuple[str, int, float, float]] = []
+    steps: list[tuple[int, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         say("building the model ...")
@@ -189,31 +228,32 @@ def main() -> None:
         model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
         generator = torch.Generator().manual_seed(1)
         prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=generator).tolist()
+        def measure(name: str, n: int, run) -> None:
+            say(f"{name}, {n} streams ...")
+            try:
+                rate, ttft = run()
+            except Exception as error:  # a contender that fails is reported, and the table still prints
+                say(f"{name} at {n} failed: {type(error).__name__}: {error}")
+                return
+            rows.append((name, n, rate, ttft))
+            say(f"  {rate:.0f} tok/s, ttft {ttft * 1e3:.1f} ms")
+
         for graphs in (True, False):
             backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16, graphs=graphs)
             trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
             for n in counts if graphs else [1, most]:
-                say(f"lanes {'graphs' if graphs else 'eager'}, {n} streams ...")
-                rate, ttft = trio.run(run_engine, backend, model, prompts[:n], args.new)
-                rows.append((f"lanes{'' if graphs else ' (eager)'}", n, rate, ttft))
+                measure(f"lanes{'' if graphs else ' (eager)'}", n,
+                        lambda: trio.run(run_engine, backend, model, prompts[:n], args.new))
             if graphs:
-                say(f"lanes through HTTP, {most} streams ...")
-                rate, ttft = trio.run(run_http, backend, model, prompts[:most], args.new)
-                rows.append(("lanes via HTTP", most, rate, ttft))
+                measure("lanes via HTTP", most, lambda: trio.run(run_http, backend, model, prompts[:most], args.new))
+                for n in counts:
+                    replay, whole = step_times(backend, n, args.prompt + args.new // 2)
+                    steps.append((n, replay, whole))
         if not args.quick:
             for n in counts:
-                say(f"generate(), {n} ...")
-                rows.append(("generate()", n, *run_generate(reference, prompts[:n], args.new)))
-            say("generate(static cache), 1 ...")
-            try:
-                rows.append(("generate(static)", 1, *run_generate(reference, prompts[:1], args.new, cache_implementation="static")))
-            except Exception as error:  # a peer that cannot run here is reported, not fatal
-                say(f"generate(static) failed: {type(error).__name__}: {error}")
-            say(f"generate_batch, {most} ...")
-            try:
-                rows.append(("generate_batch", most, *run_generate_batch(reference, prompts, args.new)))
-            except Exception as error:
-                say(f"generate_batch failed: {type(error).__name__}: {error}")
+                measure("generate()", n, lambda: run_generate(reference, prompts[:n], args.new))
+            measure("generate(static)", 1, lambda: run_generate(reference, prompts[:1], args.new, cache_implementation="static"))
+            measure("generate_batch", most, lambda: run_generate_batch(reference, prompts, args.new))
         bandwidth = copy_bandwidth()
     floor_step = weight_bytes / bandwidth
     print(f"\nQwen2.5-0.5B shape, bf16, {torch.cuda.get_device_name()}, prompt {args.prompt}, new {args.new}, greedy")
@@ -223,11 +263,15 @@ def main() -> None:
     generate = {n: r for name, n, r, _ in rows if name == "generate()"}
     for name, n, rate, ttft in rows:
         gen = f"{rate / generate[n]:.2f}" if n in generate and name.startswith("lanes") else ""
+        ttft = float("nan") if ttft is None else ttft
         best = f"{rate / max(peers[n]):.2f}" if peers.get(n) and name.startswith("lanes") else ""
         floor = rate / (n / floor_step)
         print(f"{name:<18} {n:>7} {rate:>9.0f} {ttft * 1e3:>8.1f} {gen:>12} {best:>11} {floor:>8.2f}")
     for n in counts:
         print(f"{'floor':<18} {n:>7} {n / floor_step:>9.0f}")
+    print(f"\n{'one decode step':<18} {'lanes':>7} {'graph ms':>9} {'pass ms':>8} {'graph tok/s':>12} {'pass tok/s':>11}")
+    for n, replay, whole in steps:
+        print(f"{'':<18} {n:>7} {replay * 1e3:>9.3f} {whole * 1e3:>8.3f} {n / replay:>12.0f} {n / whole:>11.0f}")
 
 
 if __name__ == "__main__":

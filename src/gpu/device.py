@@ -123,7 +123,9 @@ class CudaRunner:
         return out
 
     def close(self) -> None:
-        self.stream.close()
+        # The stream stays alive: torch's caching allocators record events on it when they free memory
+        # that a pass used, possibly long after this runner is gone.
+        self.stream.sync()
 
 
 def runner_for(placement: Placement) -> CpuRunner | CudaRunner:

@@ -116,7 +116,7 @@ def create_app(service: Service) -> QuartTrio:
         try:
             body = await read_json(service)
             tokens = body.get("tokens")
-            vocab = service.tokenizer.vocab_size
+            vocab = service.vocab_size
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise errors.wrong_type("tokens", "a list of token ids")
             if any(not 0 <= t < vocab for t in tokens):

@@ -159,7 +159,7 @@ def sse(payload: dict) -> str:
 # ---- completions ----
 
 def prompt_ids(service: Service, prompts: list[str | list[int]]) -> list[list[int]]:
-    vocab = service.tokenizer.vocab_size
+    vocab = service.vocab_size
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):

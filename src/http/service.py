@@ -19,6 +19,7 @@ class Service:
     model_name: str
     family: str
     max_model_len: int
+    vocab_size: int = 0  # the model's (token ids up to it are valid prompts); 0: the tokenizer's
     request_timeout: float = 600.0
     api_key: str | None = None
     vision: bool = False
@@ -29,6 +30,7 @@ class Service:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
     def __post_init__(self) -> None:
+        self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
         if self.metrics is None:
             self.metrics = Metrics(self.core.statistics)
 

@@ -74,7 +74,7 @@ def build_service(args: argparse.Namespace) -> Service:
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue)
     name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name
-    return Service(core, model.tokenizer, name, model.config.family, max_model_len,
+    return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    request_timeout=args.request_timeout, api_key=args.api_key)
 
 
