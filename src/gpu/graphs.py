@@ -2,7 +2,7 @@
 
 Each graph runs the decoder's fast decode step (`Decoder.decode_step`: Triton kernels, paged attention
 reading block tables on the device) on static input buffers. A pass packs its lanes' token ids,
-positions, slots, lengths and block tables into one pinned host buffer, copies it to the device in one
+positions, slots, lengths and block tables into one host buffer, copies it to the device in one
 transfer, and replays the smallest bucket that holds it; padding rows write only the scratch block.
 """
 
@@ -32,7 +32,9 @@ class DecodeGraphs:
         self.max_lanes = max_lanes
         n = max_lanes
         # tokens, positions, slots, lengths: [4, n]; then tables: [n, width] (all int64, one transfer).
-        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.int64).pin_memory()
+        # Pageable on purpose: pinned memory made the caching host allocator record events on the pass's
+        # stream at free time, which failed (invalid device context) for streams made by cuda-python.
+        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.int64)
         self._host_np = self._host.numpy()
         self._device = torch.zeros_like(self._host, device=decoder.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -87,7 +89,7 @@ class DecodeGraphs:
         """Replay the smallest bucket holding `pieces` (decode rows); returns logits [len(pieces), vocab]."""
         size = next(b for b in sorted(self.buckets) if b >= len(pieces))
         self._fill(pieces, size)
-        self._device.copy_(self._host, non_blocking=True)  # pinned: ordered on the pass's stream
+        self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream
         self._graphs[size].replay()
         return self._outputs[size][: len(pieces)]
 
