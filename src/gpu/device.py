@@ -108,19 +108,21 @@ class CudaRunner:
         self.torch_stream = torch.cuda.ExternalStream(int(self.stream.handle), device=torch.device("cuda", index))
         self._event_options = EventOptions(timing_enabled=False, blocking_sync=True)  # the waiting thread sleeps, not spins
         self._launcher = trio.CapacityLimiter(1)
-        self._waiter = trio.CapacityLimiter(1)
 
-    def _launch(self, fn: Callable[[], T]):
+    def _launch_and_wait(self, fn: Callable[[], T]) -> T:
         with torch.cuda.stream(self.torch_stream):
             out = fn()
-        return out, self.stream.record(options=self._event_options)
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """The pass's result once the GPU has finished it; the event loop keeps running meanwhile."""
-        out, event = await trio.to_thread.run_sync(self._launch, fn, limiter=self._launcher)
-        await trio.to_thread.run_sync(event.sync, limiter=self._waiter)
+        event = self.stream.record(options=self._event_options)
+        event.sync()  # this worker thread sleeps until the GPU has reached the event
         event.close()
         return out
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """The pass's result once the GPU has finished it; the event loop keeps running meanwhile.
+
+        Launch and wait share one worker thread: one thread hop a pass instead of two.
+        """
+        return await trio.to_thread.run_sync(self._launch_and_wait, fn, limiter=self._launcher)
 
     def close(self) -> None:
         # The stream stays alive: torch's caching allocators record events on it when they free memory
