@@ -6,7 +6,7 @@ One query row a lane over its context (Qwen2.5-0.5B's heads: 14 query, 2 KV, hea
 blocks scattered through a pool. Contenders: the eager path (gather the lanes' blocks, then SDPA),
 FlexAttention (compiled) over the same gathered keys with a length mask, and the Triton kernel reading
 block tables directly, at several tile sizes. Checks every output against the eager path, then prints
-one table of microseconds a call (median of CUDA-event timings).
+one table of microseconds a call (device time: calls captured in a CUDA graph, replays timed with events).
 """
 
 from __future__ import annotations
@@ -21,17 +21,24 @@ from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
 HQ, HKV, D, BS = 14, 2, 64, 16
 
 
-def timed(fn, repeat: int = 50) -> float:
-    for _ in range(5):
+def timed(fn, repeat: int = 20, calls: int = 10) -> float:
+    """Microseconds a call, device time only: `calls` calls captured in a CUDA graph, replays timed with events
+    (launching from Python here would time the launch, not the kernel)."""
+    for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(repeat):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 

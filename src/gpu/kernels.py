@@ -18,8 +18,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total, acc,
-                 kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
-    """One tile of a lane's context: scores, the online softmax's running max and sum, the weighted values."""
+                 kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """One tile of a lane's context on the tensor cores: scores, the online softmax, the weighted values."""
     positions = start + tl.arange(0, TILE)
     valid = positions < length
     blocks = tl.load(tables_ptr + lane * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0)
@@ -27,13 +28,20 @@ def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scal
     kv_mask = valid[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + slots[:, None] * kv_stride_s + kv_head * kv_stride_h + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + slots[:, None] * kv_stride_s + kv_head * kv_stride_h + dims[None, :], mask=kv_mask, other=0.0)
-    scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [GROUP_PAD, TILE]
+    else:
+        scores = tl.dot(q, tl.trans(k)) * scale
     scores = tl.where(valid[None, :], scores, float("-inf"))
     tile_best = tl.maximum(best, tl.max(scores, axis=1))
     rescale = tl.exp(best - tile_best)
     weights = tl.exp(scores - tile_best[:, None])
     total = total * rescale + tl.sum(weights, axis=1)
-    acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    if IEEE:
+        probs = weights.to(v.dtype).to(tl.float32)  # rounded as the bf16 path rounds them
+        acc = acc * rescale[:, None] + tl.dot(probs, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
     return tile_best, total, acc
 
 
@@ -42,7 +50,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
                          q_stride_b, q_stride_h, kv_stride_s, kv_stride_h, out_stride_b, out_stride_h, tables_stride,
                          MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-                         LOOP_TO_LENGTH: tl.constexpr):
+                         LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr):
     lane = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
@@ -51,7 +59,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
     dim_ok = dims < HEAD_DIM
     q_heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + lane * q_stride_b + q_heads[:, None] * q_stride_h + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D], the cache's dtype
     length = tl.load(lens_ptr + lane)
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
@@ -61,11 +69,13 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
     if LOOP_TO_LENGTH:
         for start in range(0, length, TILE):
             best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
-                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE)
+                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
+                                            IEEE)
     else:
         for start in range(0, MAX_TOKENS, TILE):
             best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
-                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE)
+                                            acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
+                                            IEEE)
     out = acc / total[:, None]
     tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -86,8 +96,11 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     _paged_decode_kernel[(lanes, hkv)](
         q, cache_k, cache_v, out, tables, lens, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
-        MAX_TOKENS=tables.shape[1] * block_size, LOOP_TO_LENGTH=not INTERPRETED, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_SIZE=block_size, TILE=max(block_size, tile),
+        # float32 caches get exact float32 products; so does the interpreter, which has no bf16 matmul.
+        MAX_TOKENS=tables.shape[1] * block_size, LOOP_TO_LENGTH=not INTERPRETED,
+        IEEE=cache_k.dtype == torch.float32 or INTERPRETED,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16),  # tensor-core tiles are at least 16 rows
+        HEAD_DIM=d, BLOCK_D=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size, TILE=max(block_size, tile, 16),
     )
     return out
 
