@@ -83,7 +83,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None,
-                           tile: int = 32) -> torch.Tensor:
+                           tile: int = 64) -> torch.Tensor:
     """One query row a lane over its whole context, read through its block table.
 
     q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
