@@ -28,6 +28,7 @@ class Choice:
     prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     def add(self, event) -> None:
         if isinstance(event, TokenEvent):
@@ -40,6 +41,7 @@ class Choice:
             self.text.append(event.text)
             self.finish_reason = "length" if event.reason == "length" else "stop"
             self.prompt_tokens = event.prompt_tokens
+            self.cached_tokens = event.cached_tokens
         elif isinstance(event, Failed):
             raise errors.from_engine(event.error)
 

@@ -14,7 +14,7 @@ class Metrics:
     """One registry a server (no module-level state): request counters and latency histograms, plus the
     lane core's statistics read at scrape time."""
 
-    def __init__(self, core_stats: Callable[[], object], extra: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, core_stats: Callable[[], object], cache_stats: Callable[[], object | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("lanes_requests", "Requests answered, by endpoint and status.", ["endpoint", "status"],
                                 registry=self.registry)
@@ -26,16 +26,16 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
                                   registry=self.registry)
-        self.registry.register(_CoreCollector(core_stats, extra or (lambda: {})))
+        self.registry.register(_CoreCollector(core_stats, cache_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _CoreCollector:
-    def __init__(self, core_stats, extra) -> None:
+    def __init__(self, core_stats, cache_stats) -> None:
         self.core_stats = core_stats
-        self.extra = extra
+        self.cache_stats = cache_stats
 
     def collect(self):
         stats = self.core_stats()
@@ -56,5 +56,14 @@ class _CoreCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
-        for name, value in self.extra().items():
-            yield GaugeMetricFamily(name, name.replace("_", " "), value=value)
+        cache = self.cache_stats()
+        if cache is not None:
+            for name, doc, value in (
+                ("lanes_prompt_cache_hits", "Lookups that found a cached prefix.", cache.hits),
+                ("lanes_prompt_cache_misses", "Lookups that found none.", cache.misses),
+                ("lanes_prompt_cache_hit_tokens", "Prompt tokens restored instead of recomputed.", cache.hit_tokens),
+                ("lanes_prompt_cache_evictions", "Cached blocks evicted.", cache.evictions),
+            ):
+                yield CounterMetricFamily(name, doc, value=value)
+            yield GaugeMetricFamily("lanes_prompt_cache_held_bytes", "KV bytes the prompt cache holds.", value=cache.held_bytes)
+            yield GaugeMetricFamily("lanes_prompt_cache_entries", "Cached blocks.", value=cache.entries)

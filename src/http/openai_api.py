@@ -37,6 +37,7 @@ class Exchange:
         self.timing = Timing()
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self._done = False
 
     def finish(self, status: int) -> None:
@@ -69,9 +70,9 @@ def token_text(service: Service, token: int) -> str:
     return service.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 # ---- chat ----
@@ -90,9 +91,13 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     tokenizer = service.tokenizer
     if tokenizer.chat_template is None:
         raise errors.no_chat_template()
+    tools = body.get("tools")
+    if tools and service.tool_system is not None:
+        messages = service.tool_system.put_in_front(messages, tools, tokenizer)
+        tools = tools if service.tool_system.template_takes_tools else None
     try:
         extra = body.get("chat_template_kwargs") or {}
-        text = tokenizer.render_chat(messages, tools=body.get("tools"), **(extra if isinstance(extra, dict) else {}))
+        text = tokenizer.render_chat(messages, tools=tools, **(extra if isinstance(extra, dict) else {}))
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
     prompt = tokenizer.encode_prompt(text)
@@ -112,7 +117,7 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
             "logprobs": {"content": [chat_logprob(service, e) for e in c.logprobs]} if common.sampling.logprobs else None,
             "finish_reason": c.finish_reason,
         } for c in choices],
-        "usage": usage(len(prompt), exchange.completion_tokens),
+        "usage": usage(len(prompt), exchange.completion_tokens, choices[0].cached_tokens),
         "system_fingerprint": None,
     }
 
@@ -132,13 +137,15 @@ async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncI
                     yield sse({**chunk, "choices": [{"index": index, "delta": {"content": event.text},
                                                       "logprobs": logprobs, "finish_reason": None}]})
             elif isinstance(event, Finished):
+                exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
                 delta = {"content": event.text} if event.text else {}
                 reason = "length" if event.reason == "length" else "stop"
                 yield sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
             elif isinstance(event, Failed):
                 raise errors.from_engine(event.error)
         if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)})
+            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
+                                                              exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
         status = error.status
@@ -217,7 +224,9 @@ async def completions(service: Service, body: dict, exchange: Exchange):
         text = echoes[c.index] + "".join(c.text)
         logprobs = completion_logprobs(service, c, prompt, echo, 0) if common.sampling.logprobs else None
         out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-    return {**head, "object": "text_completion", "choices": out, "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)}
+    cached = sum(c.cached_tokens for c in choices[:: common.n])  # once a prompt, as prompt_tokens counts
+    return {**head, "object": "text_completion", "choices": out,
+            "usage": usage(exchange.prompt_tokens, exchange.completion_tokens, cached)}
 
 
 async def completion_sse(service, streams, common, head, deadline, exchange, echoes) -> AsyncIterator[str]:
@@ -239,12 +248,14 @@ async def completion_sse(service, streams, common, head, deadline, exchange, ech
                 if event.text or logprobs:
                     yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}]})
             elif isinstance(event, Finished):
+                exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
                 reason = "length" if event.reason == "length" else "stop"
                 yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}]})
             elif isinstance(event, Failed):
                 raise errors.from_engine(event.error)
         if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens)})
+            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
+                                                              exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
         status = error.status

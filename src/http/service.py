@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..core.lane_core import LaneCore
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
+from .tool_system import ToolSystem
 
 MAX_BODY = 4 << 20
 
@@ -26,13 +27,15 @@ class Service:
     decides: bool = False
     tp: int = 1
     max_body: int = MAX_BODY
+    tool_system: "ToolSystem | None" = None
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
     def __post_init__(self) -> None:
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
         if self.metrics is None:
-            self.metrics = Metrics(self.core.statistics)
+            cache = self.core.cache
+            self.metrics = Metrics(self.core.statistics, cache.statistics if cache is not None else (lambda: None))
 
     def info(self) -> dict:
         stats = self.core.statistics()
@@ -53,4 +56,13 @@ class Service:
                 "max_body_bytes": self.max_body,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
+            "prompt_cache": self._cache_info(),
+            "tool_system": self.tool_system is not None,
         }
+
+    def _cache_info(self) -> dict | None:
+        if self.core.cache is None:
+            return None
+        c = self.core.cache.statistics()
+        return {"held_bytes": c.held_bytes, "budget_bytes": c.budget_bytes, "entries": c.entries, "hits": c.hits,
+                "misses": c.misses}

@@ -15,7 +15,9 @@ import hypercorn.trio
 import trio
 from hypercorn.config import Config
 
+from .core.commands import WarmCancelled
 from .core.lane_core import LaneCore
+from .core.stream import EngineError
 from .http.app import create_app
 from .http.service import Service
 
@@ -58,12 +60,30 @@ class Runtime:
             host, _, port = binds[0].rpartition(":")
             self.listening = Listening(host.removeprefix("http://").strip("[]"), int(port))
             log.info("serving %s on %s", self.service.model_name, self.listening.url)
+            if self.service.tool_system is not None and core.cache is not None:
+                nursery.start_soon(self._warm_tool_system)
             task_status.started(self.listening)
             await self._stop.wait()
             log.info("shutting down: %.0f s for live streams to finish", self.grace)
             await core.shutdown(self.grace)
             self._http_stop.set()
         log.info("stopped")
+
+
+    async def _warm_tool_system(self) -> None:
+        """Prefill the tool system prompt into the prompt cache when the engine is quiet; a request that comes
+        first makes it yield, and it tries again at the next quiet moment."""
+        service = self.service
+        tokens = service.tool_system.warm_tokens(service.tokenizer)
+        while True:
+            try:
+                result = await service.core.warm(tokens, into_cache=True)
+            except WarmCancelled:
+                continue
+            except EngineError:
+                return  # shutting down
+            log.info("tool system prompt warmed: %d tokens cached", len(result.tokens) if result.kept else 0)
+            return
 
 
 async def watch_signals(runtime: Runtime) -> None:

@@ -20,7 +20,7 @@ from .runtime import Runtime, watch_signals
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
 NOT_YET = {
     "rank": "--rank", "master": "--master", "master_port": "--master-port", "vision": "--vision",
-    "vision_urls": "--vision-urls", "decider": "--decider", "tool_system": "--tool-system",
+    "vision_urls": "--vision-urls", "decider": "--decider",
 }
 
 
@@ -38,6 +38,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
+                        help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
     parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take, queue included")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds live streams get to finish at shutdown")
@@ -72,10 +74,23 @@ def build_service(args: argparse.Namespace) -> Service:
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
                            graphs=not args.no_graphs)
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
-    core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue)
+    shape = backend.shape
+    cache_bytes = shape.blocks * shape.bytes_per_block // 2 if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
+    core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue,
+                    cache_bytes=cache_bytes)
+    tool_system = None
+    if args.tool_system is not None:
+        from .http.tool_system import ToolSystem
+
+        if model.tokenizer.chat_template is None:
+            raise NotAvailable("--tool-system needs a model with a chat template")
+        try:
+            tool_system = ToolSystem.load(Path(args.tool_system), model.tokenizer)
+        except OSError as error:
+            raise NotAvailable(f"--tool-system {args.tool_system}: {error.strerror}") from None
     name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
-                   request_timeout=args.request_timeout, api_key=args.api_key)
+                   request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system)
 
 
 async def serve(args: argparse.Namespace) -> None:

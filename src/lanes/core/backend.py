@@ -22,6 +22,7 @@ class BackendShape:
     block_size: int
     vocab_size: int
     max_model_len: int
+    bytes_per_block: int = 1  # device bytes of one KV block (what the prompt cache charges)
 
 
 @runtime_checkable

@@ -19,11 +19,13 @@ class WarmCancelled(EngineError):
 
 @dataclass(frozen=True)
 class WarmResult:
-    """A finished warm pass: the prompt's full blocks, now held by `owner` (the receiver releases them)."""
+    """A finished warm pass: the prompt's full blocks, held by `owner` (the receiver releases them), or
+    kept in the prompt cache (`owner` None, `kept` whether the cache took them)."""
 
     tokens: tuple[int, ...]
     blocks: tuple[int, ...]
-    owner: Hashable
+    owner: Hashable | None
+    kept: bool = False
 
 
 class Reply:
@@ -66,6 +68,7 @@ class Cancel:
 class Warm:
     prompt: tuple[int, ...]
     reply: Reply = field(compare=False)
+    into_cache: bool = False  # keep the result in the lane core's prompt cache instead of handing it over
 
 
 @dataclass(frozen=True)

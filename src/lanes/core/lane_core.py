@@ -10,55 +10,34 @@ from __future__ import annotations
 import math
 import secrets
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import trio
 
 from ..gpu.blocks import BlockPool, BlockTable, blocks_for
-from . import schedule
+from . import books, schedule
+from .books import CoreStats, IntegrityError  # noqa: F401  (re-exported)
 from .backend import Backend
 from .commands import Adopt, Cancel, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
 from .sampling import InvalidParameter, SamplingParams
+from .prompt_cache import Match, PromptCache
 from .schedule import Job, Limits, Phase
 from .stream import BackendFailed, EngineError, Failed, Finished, PromptTooLong, QueueFull, QueueTimeout, Request, ShuttingDown, Stream, TokenEvent
 
 TextFactory = Callable[[Sequence[int], SamplingParams], object]
 
 
-@dataclass(frozen=True)
-class CoreStats:
-    """A snapshot for /metrics and /v1/info."""
-
-    lanes: int
-    lanes_busy: int
-    lanes_free: int
-    queued: int
-    max_queue: int
-    max_rows: int
-    passes: int
-    prefill_rows: int
-    decode_rows: int
-    tokens_out: int
-    streams_admitted: int
-    streams_finished: int
-    streams_cancelled: int
-    blocks_total: int
-    blocks_free: int
-
-
-class IntegrityError(AssertionError):
-    """The lane core's bookkeeping is broken: a bug, never a user error."""
-
-
 class LaneCore:
     """Continuous batching over `backend.shape.lanes` lanes. Start it with `await nursery.start(core.run)`."""
 
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
-                 max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None) -> None:
+                 max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
+                 cache_bytes: int = 0) -> None:
         shape = backend.shape
         self.backend = backend
         self.pool = BlockPool(shape.blocks, shape.block_size)
+        # The prompt cache is state the lane core alone touches, like the pool (docs/DECISIONS.md says why).
+        self.cache = PromptCache(self.pool, cache_bytes, shape.bytes_per_block) if cache_bytes > 0 else None
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
         self.max_model_len = shape.max_model_len
@@ -91,9 +70,10 @@ class LaneCore:
         """Stop a stream (idempotent): a queued one is removed, a live one frees its lane at the next boundary."""
         self._send(Cancel(stream_id))
 
-    async def warm(self, prompt: Sequence[int]) -> WarmResult:
-        """Prefill `prompt` when the engine is quiet; raises WarmCancelled if a newer request comes first."""
-        return await self._ask(Warm(tuple(prompt), Reply()))
+    async def warm(self, prompt: Sequence[int], *, into_cache: bool = False) -> WarmResult:
+        """Prefill `prompt` when the engine is quiet; raises WarmCancelled if a newer request comes first.
+        With `into_cache`, its full blocks go to the prompt cache rather than to the caller."""
+        return await self._ask(Warm(tuple(prompt), Reply(), into_cache))
 
     async def adopt_prefilled(self, request: Request, blocks: Sequence[int], owner, first_token: int) -> Stream:
         """Take over a stream whose prompt a driver prefilled into `blocks` (held by `owner`, handed over here)."""
@@ -127,7 +107,7 @@ class LaneCore:
                 # The asker was cancelled after the core had answered: nobody will read the stream.
                 if isinstance(reply.value, Stream):
                     self.cancel(reply.value.id)
-                elif isinstance(reply.value, WarmResult):
+                elif isinstance(reply.value, WarmResult) and reply.value.owner is not None:
                     self.pool.release(reply.value.owner)
 
     # ---- the actor ----
@@ -150,6 +130,8 @@ class LaneCore:
             self._closing = True
             self._inbox_send.close()
             self._fail_all(ShuttingDown())
+            if self.cache is not None:
+                self.cache.clear()  # every restore has reported by now, so every block goes back
             self._refuse_unread_commands()
             self._stopped.set()
 
@@ -191,6 +173,9 @@ class LaneCore:
                 return failure
             self._count(plan)
             events = schedule.apply(plan, result, {j.lane: j for j in jobs}, self._stop_ids)
+            for job in jobs:
+                if job.restore is not None and job.done > job.cached:
+                    self._report_restore(job)  # its first pass over the restored prefix is done
             for job, event in events:
                 self._deliver(job, event)
 
@@ -263,6 +248,7 @@ class LaneCore:
             command.reply.fail(PromptTooLong(limit, min(self.max_model_len, self.pool.total * self.pool.block_size)))
             return
         job = Job(self._take_id(), "warm", command.prompt, SamplingParams(), limit)
+        job.kept = not (command.into_cache and self.cache is not None)  # `kept` False: the cache is to take it
         self._jobs[job.id] = job
         self._warm.append((job, command.reply))
 
@@ -294,6 +280,10 @@ class LaneCore:
         for lane, job in enumerate(self.lanes):
             if job is None:
                 continue
+            if self.cache is not None and job.kind == "stream" and not job.kept and job.done >= len(job.prompt):
+                job.kept = True
+                full = len(job.prompt) // self.pool.block_size
+                self.cache.keep(job.prompt[: full * self.pool.block_size], job.table.blocks[:full])
             channel = self._channels.get(job.id)
             if channel is not None and channel.statistics().open_receive_channels == 0 and job.outcome is None:
                 job.cancelled = True  # the consumer closed its end
@@ -305,11 +295,25 @@ class LaneCore:
         free = [i for i, j in enumerate(self.lanes) if j is None]
         while free and self._queue:
             job = self._queue[0]
-            if not self.pool.can_allocate(blocks_for(job.limit - 1, self.pool.block_size)):
+            match = self._lookup(job)
+            need = blocks_for(job.limit - 1, self.pool.block_size) - len(match.blocks)
+            if self.cache is not None and not self.pool.can_allocate(need):
+                self.cache.reclaim(need)  # cached prefixes give way to admission (pinned ones stay)
+            if not self.pool.can_allocate(need):
+                if match.node is not None:
+                    self.cache.unpin(match.node)
                 break  # the head waits for blocks; FIFO keeps later arrivals behind it
             self._queue.popleft()
             self._queue_changed.set()
-            self._bind(job, free.pop(0)).reserve(self.pool, job.limit - 1)
+            table = self._bind(job, free.pop(0))
+            if match.node is not None:
+                if self._restore(job, match):
+                    table.adopt(self.pool, match.blocks, match.tokens)
+                    job.done = job.cached = match.tokens
+                    job.restore = match.node
+                else:
+                    self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
+            table.reserve(self.pool, job.limit - 1)
             job.phase = Phase.PREFILL
             self._counts["admitted"] += 1
         quiet = not self._queue and not any(j is not None and j.kind == "stream" for j in self.lanes)
@@ -322,6 +326,23 @@ class LaneCore:
             job.phase = Phase.PREFILL
             self._warm_running[job.id] = reply
 
+    def _lookup(self, job: Job) -> Match:
+        """The longest cached prefix the job may restore, pinned; at least one prompt row is left to run."""
+        if self.cache is None or job.sampling.prompt_logprobs:
+            return Match(None, 0, ())
+        match = self.cache.lookup(job.prompt[:-1])
+        if match.node is not None:
+            self.cache.pin(match.node)
+        return match
+
+    def _restore(self, job: Job, match: Match) -> bool:
+        """Whether the job can take the cached chain (the place a failed restore is injected in tests)."""
+        return not match.node.dead
+
+    def _report_restore(self, job: Job) -> None:
+        node, job.restore = job.restore, None
+        self.cache.report(node, ok=True)
+
     def _bind(self, job: Job, lane: int) -> BlockTable:
         job.lane = lane
         job.table = BlockTable(("lane", lane))
@@ -331,10 +352,13 @@ class LaneCore:
         return job.table
 
     def _unbind(self, lane: int, job: Job) -> None:
+        if job.restore is not None:
+            self._report_restore(job)
         if job.kind == "warm":
             self._finish_warm(job)
         elif job.outcome is None:
-            self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt), completion_tokens=len(job.generated)))
+            self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
+                                       cached_tokens=job.cached))
         if job.kind == "stream":
             self.backend.unbind(lane)
             ended = isinstance(job.outcome, Finished) and job.outcome.reason != "cancelled"
@@ -350,9 +374,13 @@ class LaneCore:
             reply.fail(WarmCancelled())
             return
         full = job.done // self.pool.block_size
+        tokens, blocks = tuple(job.prompt[: full * self.pool.block_size]), tuple(job.table.blocks[:full])
+        if not job.kept:
+            reply.set(WarmResult(tokens, blocks, None, kept=self.cache.keep(tokens, blocks)))
+            return
         owner = ("warm", job.id)
-        self.pool.fork(owner, job.table.blocks[:full])
-        reply.set(WarmResult(tuple(job.prompt[: full * self.pool.block_size]), tuple(job.table.blocks[:full]), owner))
+        self.pool.fork(owner, blocks)
+        reply.set(WarmResult(tokens, blocks, owner))
 
     def _yield_warm(self) -> None:
         """A newer request (or shutdown) comes first: every warm pass, waiting or running, is cancelled."""
@@ -444,37 +472,9 @@ class LaneCore:
     # ---- observation ----
 
     def statistics(self) -> CoreStats:
-        busy = sum(j is not None for j in self.lanes)
-        c = self._counts
-        return CoreStats(
-            lanes=len(self.lanes), lanes_busy=busy, lanes_free=len(self.lanes) - busy, queued=len(self._queue),
-            max_queue=self.max_queue, max_rows=self.limits.max_rows, passes=c["passes"],
-            prefill_rows=c["prefill_rows"], decode_rows=c["decode_rows"], tokens_out=c["tokens_out"],
-            streams_admitted=c["admitted"], streams_finished=c["finished"], streams_cancelled=c["cancelled"],
-            blocks_total=self.pool.total, blocks_free=self.pool.free,
-        )
+        """A snapshot for /metrics and /v1/info."""
+        return books.statistics(self)
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError unless lanes, queue, jobs and the block pool agree."""
-        self.pool.check_integrity()
-        seen: set[int] = set()
-        for lane, job in enumerate(self.lanes):
-            owner = ("lane", lane)
-            if job is None:
-                if self.pool.held(owner):
-                    raise IntegrityError(f"free lane {lane} holds blocks {self.pool.held(owner)}")
-                continue
-            if job.lane != lane or job.table is None or job.table.owner != owner:
-                raise IntegrityError(f"lane {lane} holds job {job.id}, which says lane {job.lane}")
-            if self.pool.held(owner) != sorted(job.table.blocks):
-                raise IntegrityError(f"lane {lane}'s table {job.table.blocks} is not what the pool says it holds")
-            if job.done > len(job.table.blocks) * self.pool.block_size:
-                raise IntegrityError(f"job {job.id} wrote past its blocks")
-            seen.add(job.id)
-        for job in self._queue:
-            if job.phase is not Phase.QUEUED or job.lane is not None or job.id in seen:
-                raise IntegrityError(f"queued job {job.id} is also in a lane or not queued")
-            seen.add(job.id)
-        seen.update(job.id for job, _ in self._warm)
-        if seen != set(self._jobs):
-            raise IntegrityError(f"jobs {sorted(set(self._jobs) ^ seen)} are lost or unknown")
+        """Raise IntegrityError unless lanes, queue, jobs, the prompt cache and the block pool agree."""
+        books.check_integrity(self)

@@ -50,6 +50,9 @@ class Job:
     outcome: Finished | Failed | None = None
     text: object = None  # a TextAssembler: push(token) -> (text, stopped), finish() -> text
     prompt_logprobs: list = field(default_factory=list)
+    cached: int = 0  # prompt tokens restored from the prompt cache
+    restore: object = None  # the cache node being restored, until its restore reports
+    kept: bool = False  # the prompt's full blocks have been offered to the prompt cache
 
     @property
     def live(self) -> bool:
@@ -152,7 +155,8 @@ def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int]) -> list[StreamEv
 
 
 def _finish(job: Job, reason: str, text: str) -> Finished:
-    job.outcome = Finished(reason, text, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated))
+    job.outcome = Finished(reason, text, prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
+                           cached_tokens=job.cached)
     return job.outcome
 
 

@@ -95,6 +95,7 @@ class Finished:
     text: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @dataclass(frozen=True)

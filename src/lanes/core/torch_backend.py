@@ -29,7 +29,9 @@ class TorchBackend:
         self.decoder = model.decoder
         self.runner = runner
         length = min(max_model_len or model.config.max_position, model.config.max_position)
-        self._shape = BackendShape(lanes, model.kv_blocks, model.decoder.kv.shape.block_size, model.config.vocab_size, length)
+        kv = model.decoder.kv
+        self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
+                                   bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
         self.graphs = None
         if graphs_enabled(model.placement.device, graphs):
