@@ -83,3 +83,15 @@ class Adopt:
 @dataclass(frozen=True)
 class Shutdown:
     grace: float
+
+
+@dataclass(frozen=True)
+class Decide:
+    request: object  # a DecisionRequest
+    reply: Reply = field(compare=False)
+    key: object = field(compare=False, default=None)  # the asker's handle, for cancellation
+
+
+@dataclass(frozen=True)
+class CancelDecision:
+    key: object

@@ -14,7 +14,7 @@ from typing import Sequence
 import trio
 
 from .backend import BackendShape
-from .plan import PassResult, Plan, Sampled, TargetLogprobs
+from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
 from .sampling import SamplingParams
 from .stops import StopStrings
 
@@ -65,7 +65,7 @@ class FakeBackend:
             await trio.sleep(self.pass_seconds)
         else:
             await trio.lowlevel.checkpoint()
-        sampled, logprobs = [], []
+        sampled, logprobs, reads = [], [], []
         for work in plan.work:
             piece = work.piece
             for offset, token in enumerate(piece.tokens):
@@ -73,7 +73,12 @@ class FakeBackend:
             context = [self.slots[self._slot(piece.blocks, p)] for p in range(piece.end)]
             sampled.append(self._draw(context, work) if work.sample else None)
             logprobs.append(self._target_logprobs(context, work) if work.targets else None)
-        return PassResult(tuple(sampled), tuple(logprobs))
+            reads.append(self._read(context, work.labels) if work.labels else None)
+        return PassResult(tuple(sampled), tuple(logprobs), tuple(reads))
+
+    def _read(self, context: list[int], labels: tuple[int, ...]) -> LabelRead:
+        """Label logprobs that depend on the whole context (like a model's), each below zero."""
+        return LabelRead(tuple(-0.1 - (_mix(*context, label) % 1000) / 250 for label in labels), False)
 
     def _slot(self, blocks: Sequence[int], position: int) -> int:
         block = blocks[position // self.block_size]

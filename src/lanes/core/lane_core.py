@@ -18,7 +18,8 @@ from ..gpu.blocks import BlockPool, BlockTable, blocks_for
 from . import books, schedule
 from .books import CoreStats, IntegrityError  # noqa: F401  (re-exported)
 from .backend import Backend
-from .commands import Adopt, Cancel, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
+from .commands import Adopt, Cancel, CancelDecision, Decide, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
+from .decider import Decider, DecisionRequest, DecisionResult
 from .sampling import InvalidParameter, SamplingParams
 from .prompt_cache import Match, PromptCache
 from .schedule import Job, Limits, Phase
@@ -32,12 +33,13 @@ class LaneCore:
 
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
                  max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
-                 cache_bytes: int = 0) -> None:
+                 cache_bytes: int = 0, max_decisions: int = 64) -> None:
         shape = backend.shape
         self.backend = backend
         self.pool = BlockPool(shape.blocks, shape.block_size)
         # The prompt cache is state the lane core alone touches, like the pool (docs/DECISIONS.md says why).
         self.cache = PromptCache(self.pool, cache_bytes, shape.bytes_per_block) if cache_bytes > 0 else None
+        self.decider = Decider(self, max_decisions)
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
         self.max_model_len = shape.max_model_len
@@ -74,6 +76,20 @@ class LaneCore:
         """Prefill `prompt` when the engine is quiet; raises WarmCancelled if a newer request comes first.
         With `into_cache`, its full blocks go to the prompt cache rather than to the caller."""
         return await self._ask(Warm(tuple(prompt), Reply(), into_cache))
+
+    async def decide(self, request: DecisionRequest) -> DecisionResult:
+        """Run a decision beside the live streams; raises QueueFull, DecisionTimeout or ShuttingDown.
+        A caller cancelled while it waits cancels the decision (its lanes free at the next boundary)."""
+        command = Decide(request, Reply(), object())
+        self._send(command)
+        try:
+            return await command.reply.wait()
+        finally:
+            if not command.reply.delivered and command.reply.error is None:
+                try:
+                    self._send(CancelDecision(command.key))
+                except ShuttingDown:
+                    pass  # the engine has stopped: the decision ended with it
 
     async def adopt_prefilled(self, request: Request, blocks: Sequence[int], owner, first_token: int) -> Stream:
         """Take over a stream whose prompt a driver prefilled into `blocks` (held by `owner`, handed over here)."""
@@ -182,11 +198,12 @@ class LaneCore:
     async def _deadline_loop(self) -> None:
         while True:
             self._queue_changed = trio.Event()
-            earliest = min((j.deadline for j in self._queue), default=math.inf)
+            earliest = min(min((j.deadline for j in self._queue), default=math.inf), self.decider.earliest_deadline())
             with trio.move_on_at(min(earliest, self._grace_deadline)):
                 await self._queue_changed.wait()
                 continue
             now = trio.current_time()
+            self.decider.expire(now)
             for job in [j for j in self._queue if j.deadline <= now]:
                 self._queue.remove(job)
                 self._answer(job, Failed(QueueTimeout()))
@@ -264,6 +281,16 @@ class LaneCore:
         else:
             job.cancelled = True
 
+    def _on_decide(self, command: Decide) -> None:
+        if self._closing:
+            command.reply.fail(ShuttingDown())
+            return
+        self.decider.submit(command.request, command.reply, command.key, self._take_id())
+        self._queue_changed.set()  # its deadline counts now
+
+    def _on_canceldecision(self, command: CancelDecision) -> None:
+        self.decider.cancel(command.key)
+
     def _on_shutdown(self, command: Shutdown) -> None:
         if not self._closing:
             self._closing = True
@@ -272,6 +299,8 @@ class LaneCore:
         for job in list(self._queue):
             self._answer(job, Failed(ShuttingDown()))
         self._queue.clear()
+        for decision in list(self.decider.queue):
+            self.decider.fail(decision, ShuttingDown())
         self._yield_warm()
 
     # ---- boundary work (run by the pass loop between passes) ----
@@ -296,27 +325,15 @@ class LaneCore:
         while free and self._queue:
             job = self._queue[0]
             match = self._lookup(job)
-            need = blocks_for(job.limit - 1, self.pool.block_size) - len(match.blocks)
-            if self.cache is not None and not self.pool.can_allocate(need):
-                self.cache.reclaim(need)  # cached prefixes give way to admission (pinned ones stay)
-            if not self.pool.can_allocate(need):
-                if match.node is not None:
-                    self.cache.unpin(match.node)
+            if not self._room_for(blocks_for(job.limit - 1, self.pool.block_size) - len(match.blocks), match):
                 break  # the head waits for blocks; FIFO keeps later arrivals behind it
             self._queue.popleft()
             self._queue_changed.set()
-            table = self._bind(job, free.pop(0))
-            if match.node is not None:
-                if self._restore(job, match):
-                    table.adopt(self.pool, match.blocks, match.tokens)
-                    job.done = job.cached = match.tokens
-                    job.restore = match.node
-                else:
-                    self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
-            table.reserve(self.pool, job.limit - 1)
-            job.phase = Phase.PREFILL
+            self._place(job, free.pop(0), match, capacity=job.limit - 1)
             self._counts["admitted"] += 1
-        quiet = not self._queue and not any(j is not None and j.kind == "stream" for j in self.lanes)
+        if not self._queue:  # a request waiting for a lane goes before any decision
+            self.decider.admit(free)
+        quiet = not self._queue and not self.decider.busy and not any(j is not None and j.kind == "stream" for j in self.lanes)
         while quiet and free and self._warm:
             job, reply = self._warm[0]
             if not self.pool.can_allocate(blocks_for(job.limit)):
@@ -325,6 +342,30 @@ class LaneCore:
             self._bind(job, free.pop(0)).reserve(self.pool, job.limit)
             job.phase = Phase.PREFILL
             self._warm_running[job.id] = reply
+
+    def _room_for(self, blocks: int, match: Match | None) -> bool:
+        """Whether `blocks` more blocks can be had (cached prefixes give way, pinned ones stay); when not,
+        the pin of `match` is let go."""
+        if self.cache is not None and not self.pool.can_allocate(blocks):
+            self.cache.reclaim(blocks)
+        if self.pool.can_allocate(blocks):
+            return True
+        if match is not None and match.node is not None:
+            self.cache.unpin(match.node)
+        return False
+
+    def _place(self, job: Job, lane: int, match: Match, capacity: int) -> None:
+        """Bind `job` to `lane`, restore its cached prefix (or fall back), and reserve room for `capacity` tokens."""
+        table = self._bind(job, lane)
+        if match.node is not None:
+            if self._restore(job, match):
+                table.adopt(self.pool, match.blocks, match.tokens)
+                job.done = job.cached = match.tokens
+                job.restore = match.node
+            else:
+                self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
+        table.reserve(self.pool, capacity)
+        job.phase = Phase.PREFILL
 
     def _lookup(self, job: Job) -> Match:
         """The longest cached prefix the job may restore, pinned; at least one prompt row is left to run."""
@@ -356,6 +397,8 @@ class LaneCore:
             self._report_restore(job)
         if job.kind == "warm":
             self._finish_warm(job)
+        elif job.kind in ("trunk", "branch"):
+            self.decider.unbound(job)
         elif job.outcome is None:
             self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
                                        cached_tokens=job.cached))
@@ -450,6 +493,7 @@ class LaneCore:
             channel.close()
 
     def _fail_all(self, error: EngineError) -> None:
+        self.decider.fail_all(error)
         for job in list(self._queue):
             self._answer(job, Failed(error))
         self._queue.clear()

@@ -18,13 +18,15 @@ class Work:
 
     `sample`: draw the lane's next token from the piece's last row. `targets`: for prompt logprobs, the token
     that follows each row (one per row, or one fewer when the last row's follower is the sampled token);
-    `top` is how many alternatives to report with each.
+    `top` is how many alternatives to report with each. `labels`: a decision's read of the last row: these
+    tokens' logprobs (their logits less the row's logsumexp).
     """
 
     piece: Piece
     sample: RowSampling | None = None
     targets: tuple[int, ...] = ()
     top: int = 0
+    labels: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,19 @@ class TargetLogprobs:
 
 
 @dataclass(frozen=True)
+class LabelRead:
+    """A decision's read: each label's logprob at the row after the prompt, and whether the whole
+    vocabulary's most likely token is one of the labels."""
+
+    logprobs: tuple[float, ...]
+    argmax_is_label: bool
+
+
+@dataclass(frozen=True)
 class PassResult:
-    """What a pass gives back, one entry per `Work` of the plan in order (None where nothing was asked)."""
+    """What a pass gives back, one entry per `Work` of the plan in order (None where nothing was asked);
+    `reads` may be empty when the plan asked for none."""
 
     sampled: tuple[Sampled | None, ...]
     prompt_logprobs: tuple[TargetLogprobs | None, ...]
+    reads: tuple[LabelRead | None, ...] = ()

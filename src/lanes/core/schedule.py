@@ -27,7 +27,7 @@ class Phase(enum.Enum):
     DONE = "done"
 
 
-JobKind = Literal["stream", "warm"]
+JobKind = Literal["stream", "warm", "trunk", "branch"]  # trunk and branch: a decision's prefills
 
 
 @dataclass(eq=False)
@@ -53,6 +53,9 @@ class Job:
     cached: int = 0  # prompt tokens restored from the prompt cache
     restore: object = None  # the cache node being restored, until its restore reports
     kept: bool = False  # the prompt's full blocks have been offered to the prompt cache
+    labels: tuple[int, ...] = ()  # a branch's label tokens, read at the row after its prompt
+    read: object = None  # a branch's LabelRead, once its last row has run
+    owner: object = None  # the DecisionJob a trunk or branch belongs to
 
     @property
     def live(self) -> bool:
@@ -97,11 +100,13 @@ def _prompt_work(job: Job, take: int) -> Work:
     start, end = job.done, job.done + take
     final = end == len(job.prompt)
     sample = RowSampling(job.lane, job.sampling, 0) if final and job.kind == "stream" else None
+    labels = job.labels if final and job.kind == "branch" else ()
     wants_logprobs = job.sampling.prompt_logprobs and job.kind == "stream"
-    logits = "all" if wants_logprobs else ("last" if sample else "none")
+    logits = "all" if wants_logprobs else ("last" if sample or labels else "none")
     targets = job.prompt[start + 1 : end + 1] if wants_logprobs else ()
     piece = Piece(job.lane, job.prompt[start:end], start, tuple(job.table.blocks), logits)
-    return Work(piece, sample=sample, targets=targets, top=job.sampling.top_logprobs if wants_logprobs else 0)
+    return Work(piece, sample=sample, targets=targets, top=job.sampling.top_logprobs if wants_logprobs else 0,
+                labels=labels)
 
 
 def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids: Iterable[int]) -> list[tuple[Job, StreamEvent]]:
@@ -111,14 +116,16 @@ def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids
     """
     stop_ids = frozenset(stop_ids)
     events: list[tuple[Job, StreamEvent]] = []
-    for work, sampled, logprobs in zip(plan.work, result.sampled, result.prompt_logprobs, strict=True):
+    reads = result.reads or (None,) * len(plan.work)
+    for work, sampled, logprobs, read in zip(plan.work, result.sampled, result.prompt_logprobs, reads, strict=True):
         job = jobs_by_lane[work.piece.lane]
         if work.piece.start != job.done:
             raise AssertionError(f"job {job.id}: a pass wrote from {work.piece.start}, the job had {job.done}")
         job.done = work.piece.end
         if job.phase is Phase.PREFILL and job.done == len(job.prompt):
             job.phase = Phase.DECODE if job.kind == "stream" else Phase.DONE
-            if job.kind == "warm":
+            if job.kind != "stream":  # a warm pass, a trunk or a branch ends with its prompt
+                job.read = read
                 job.outcome = Finished("stop", prompt_tokens=len(job.prompt))
         if job.cancelled or job.outcome is not None:
             continue

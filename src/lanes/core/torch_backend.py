@@ -13,7 +13,7 @@ from ..gpu.graphs import DecodeGraphs, graphs_enabled
 from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
-from .plan import PassResult, Plan, Sampled, TargetLogprobs
+from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
 from ..gpu.transfer import to_host
 from .sampling import PenaltyState, RowSampling, SamplingParams, on_host, prompt_logprobs, sample
 from .sampling import Sampled as SampledTensors
@@ -66,13 +66,16 @@ class TorchBackend:
         else:
             logits = self.decoder.forward(pieces)  # [R, V]: each piece's asked-for rows, in order
         device = logits.device
-        draw_rows, rows, target_rows, targets = [], [], [], []
+        draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
         offset = 0
         for work in plan.work:
             n = work.piece.logit_rows
             if work.sample is not None:
                 draw_rows.append(offset + n - 1)
                 rows.append(work.sample)
+            if work.labels:
+                read_rows.extend([offset + n - 1] * len(work.labels))
+                labels.extend(work.labels)
             target_rows.extend(range(offset, offset + len(work.targets)))
             targets.extend(work.targets)
             offset += n
@@ -84,9 +87,13 @@ class TorchBackend:
             index = torch.tensor(target_rows, dtype=torch.int64, device=device)
             top = max(w.top for w in plan.work)
             on_device += prompt_logprobs(logits.index_select(0, index), torch.tensor(targets, device=device), top)
+        if labels:
+            on_device += self._label_reads(logits, read_rows, labels, device)
         host = to_host(on_device)  # the pass's one host sync
         drawn_host = on_host(SampledTensors(*host[:4]), rows) if rows else None
-        prompt = self._prompt_results(plan, host[-3:]) if targets else [None] * len(plan.work)
+        at = 4 if rows else 0
+        prompt = self._prompt_results(plan, host[at : at + 3]) if targets else [None] * len(plan.work)
+        reads = self._reads(plan, host[-2:]) if labels else []
         sampled, i = [], 0
         for work in plan.work:
             if work.sample is None:
@@ -95,7 +102,27 @@ class TorchBackend:
             wants = work.sample.params.logprobs
             sampled.append(Sampled(drawn_host.tokens[i], drawn_host.logprobs[i] if wants else None, tuple(drawn_host.top[i])))
             i += 1
-        return PassResult(tuple(sampled), tuple(prompt))
+        return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
+
+    @staticmethod
+    def _label_reads(logits, read_rows, labels, device) -> list[torch.Tensor]:
+        """Each read's label logprobs (logit less the row's logsumexp) and whether the row's argmax is a label."""
+        rows = torch.tensor(read_rows, dtype=torch.int64, device=device)
+        ids = torch.tensor(labels, dtype=torch.int64, device=device)
+        picked = logits.index_select(0, rows).float()  # [L, V]: the row of each label, repeated
+        values = picked.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(picked, dim=-1)  # [L] float32
+        is_argmax = (picked.argmax(dim=-1) == ids).to(torch.int64)  # [L]: this label is the row's argmax
+        return [values, is_argmax]
+
+    @staticmethod
+    def _reads(plan: Plan, host: list[torch.Tensor]) -> list[LabelRead | None]:
+        values, is_argmax = host[0].tolist(), host[1].tolist()
+        out, at = [], 0
+        for work in plan.work:
+            n = len(work.labels)
+            out.append(LabelRead(tuple(values[at : at + n]), any(is_argmax[at : at + n])) if n else None)
+            at += n
+        return out
 
     def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device) -> SampledTensors:
         picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]

@@ -1,0 +1,234 @@
+"""The decider queue: decisions wait here and take free lanes as synthetic streams beside live ones.
+
+A decision is several branches (one a question) that share a trunk: their longest common prefix in full
+blocks. The trunk is prefilled once in a lane (kept in the prompt cache when there is one), then held by
+the decision itself, and every branch adopts it, prefills its own suffix and reads its label logits at its
+last row; no token is ever drawn. Branches run in as many free lanes as there are, batched in the same
+passes. Streams waiting for a lane always go first; a decision that cannot get a lane or blocks stays at
+the head of the queue for the next gap; a live stream is never moved.
+
+Like the block pool and the prompt cache, this is synchronous state on the Trio thread, called only by the
+lane core at its mailbox and at pass boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+from ..gpu.blocks import blocks_for
+from .commands import Reply
+from .plan import LabelRead
+from .sampling import SamplingParams
+from .schedule import Job, Phase
+from .stream import EngineError, QueueFull
+
+if TYPE_CHECKING:
+    from .lane_core import LaneCore
+
+
+class DecisionTimeout(EngineError):
+    """The decision did not finish before its deadline."""
+
+    def __init__(self) -> None:
+        super().__init__("the decision did not finish before its deadline")
+
+
+class DecisionCancelled(EngineError):
+    """The client that asked went away."""
+
+    def __init__(self) -> None:
+        super().__init__("the decision was cancelled")
+
+
+@dataclass(frozen=True)
+class DecisionRequest:
+    """Each branch's whole prompt and the label tokens read after it; `deadline` (trio time) bounds it all."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    labels: tuple[tuple[int, ...], ...]
+    deadline: float = math.inf
+
+
+@dataclass(frozen=True)
+class DecisionResult:
+    reads: tuple[LabelRead, ...]
+    input_tokens: int  # the tokens the decision's prompts hold, the trunk counted once
+    cached_tokens: int  # of those, restored from the prompt cache instead of computed
+
+
+@dataclass(eq=False)
+class DecisionJob:
+    id: int
+    key: Hashable  # the asker's handle, for cancellation
+    request: DecisionRequest
+    reply: Reply
+    trunk: tuple[int, ...]
+    pending: deque[int]  # branches still waiting for a lane
+    reads: list[LabelRead | None]
+    running: set[int] = field(default_factory=set)  # job ids of its trunk or branches in lanes
+    trunk_ready: bool = False
+    cached: int = 0
+
+    @property
+    def owner(self) -> tuple[str, int]:
+        return ("decision", self.id)
+
+
+def shared_trunk(prompts: Sequence[Sequence[int]], block_size: int) -> tuple[int, ...]:
+    """The longest common prefix of two or more prompts, in whole blocks, leaving every branch a suffix."""
+    if len(prompts) < 2:
+        return ()
+    shortest = min(len(p) for p in prompts)
+    common = 0
+    while common < shortest and all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    common = min(common, shortest - 1)
+    return tuple(prompts[0][: common // block_size * block_size])
+
+
+class Decider:
+    """Queued and running decisions, with their deadlines; the lane core calls in at the right moments."""
+
+    def __init__(self, core: "LaneCore", max_queue: int) -> None:
+        self.core = core
+        self.max_queue = max_queue
+        self.queue: deque[DecisionJob] = deque()
+        self.running: dict[int, DecisionJob] = {}
+        self.counts = dict(asked=0, answered=0, failed=0)
+
+    # ---- from the mailbox ----
+
+    def submit(self, request: DecisionRequest, reply: Reply, key: Hashable, job_id: int) -> None:
+        if len(self.queue) >= self.max_queue:
+            reply.fail(QueueFull(len(self.queue)))
+            return
+        trunk = shared_trunk(request.prompts, self.core.pool.block_size)
+        self.queue.append(DecisionJob(job_id, key, request, reply, trunk, deque(range(len(request.prompts))),
+                                      [None] * len(request.prompts)))
+        self.counts["asked"] += 1
+
+    def cancel(self, key: Hashable) -> None:
+        for decision in list(self.queue) + list(self.running.values()):
+            if decision.key == key:
+                self.fail(decision, DecisionCancelled())
+
+    # ---- at boundaries ----
+
+    def admit(self, free: list[int]) -> None:
+        """Give free lanes to running decisions' branches (oldest first), then to the queue's head."""
+        for decision in sorted(self.running.values(), key=lambda d: d.id):
+            if not self._admit_branches(decision, free):
+                return  # out of blocks: later ones wait behind it
+        while free and self.queue:
+            decision = self.queue[0]
+            if decision.trunk:
+                if not self._admit_trunk(decision, free):
+                    return  # Busy: it stays at the head for the next gap
+            self.queue.popleft()
+            self.running[decision.id] = decision
+            if not decision.trunk:
+                decision.trunk_ready = True
+                if not self._admit_branches(decision, free):
+                    return
+
+    def _admit_trunk(self, decision: DecisionJob, free: list[int]) -> bool:
+        core = self.core
+        job = Job(core._take_id(), "trunk", decision.trunk, SamplingParams(), len(decision.trunk), owner=decision)
+        match = core._lookup(job)
+        need = blocks_for(len(decision.trunk), core.pool.block_size) - len(match.blocks)
+        if not core._room_for(need, match):
+            return False
+        core._place(job, free.pop(0), match, capacity=len(decision.trunk))
+        core._jobs[job.id] = job
+        decision.running.add(job.id)
+        return True
+
+    def _admit_branches(self, decision: DecisionJob, free: list[int]) -> bool:
+        """Admit its waiting branches into free lanes; False when the pool has no room for the next one."""
+        core = self.core
+        while decision.trunk_ready and decision.pending and free:
+            index = decision.pending[0]  # the branch's place in the request
+            prompt = decision.request.prompts[index]
+            job = Job(core._take_id(), "branch", prompt, SamplingParams(), len(prompt), owner=decision,
+                      labels=decision.request.labels[index])
+            shared = len(decision.trunk) // core.pool.block_size
+            need = blocks_for(len(prompt), core.pool.block_size) - shared
+            if not core._room_for(need, None):
+                return False
+            decision.pending.popleft()
+            table = core._bind(job, free.pop(0))
+            if shared:
+                table.adopt(core.pool, core.pool.held(decision.owner), len(decision.trunk))
+                job.done = len(decision.trunk)
+            table.reserve(core.pool, len(prompt))
+            job.phase = Phase.PREFILL
+            core._jobs[job.id] = job
+            decision.running.add(job.id)
+        return True
+
+    def unbound(self, job: Job) -> None:
+        """A trunk or branch left its lane (finished, or cancelled with its decision)."""
+        decision: DecisionJob = job.owner
+        decision.running.discard(job.id)
+        if decision.id not in self.running or job.cancelled:
+            return
+        if job.kind == "trunk":
+            full = len(decision.trunk) // self.core.pool.block_size
+            blocks = job.table.blocks[:full]
+            self.core.pool.fork(decision.owner, blocks)  # the branches adopt these; the lane lets go
+            if self.core.cache is not None:
+                self.core.cache.keep(decision.trunk, blocks)
+            decision.cached = job.cached
+            decision.trunk_ready = True
+            return
+        decision.reads[job_index(decision, job)] = job.read
+        if all(r is not None for r in decision.reads):
+            self._answer(decision)
+
+    def _answer(self, decision: DecisionJob) -> None:
+        del self.running[decision.id]
+        self.core.pool.release(decision.owner)
+        trunk = len(decision.trunk)
+        total = trunk + sum(len(p) - trunk for p in decision.request.prompts)
+        decision.reply.set(DecisionResult(tuple(decision.reads), total, decision.cached))
+        self.counts["answered"] += 1
+
+    def fail(self, decision: DecisionJob, error: EngineError) -> None:
+        """End a decision with `error`: its jobs in lanes are cancelled (freed at the next boundary)."""
+        if decision in self.queue:
+            self.queue.remove(decision)
+        elif self.running.pop(decision.id, None) is None:
+            return
+        for job in self.core.lanes:
+            if job is not None and job.owner is decision:
+                job.cancelled = True
+        self.core.pool.release(decision.owner)
+        decision.reply.fail(error)
+        self.counts["failed"] += 1
+
+    def expire(self, now: float) -> None:
+        for decision in list(self.queue) + list(self.running.values()):
+            if decision.request.deadline <= now:
+                self.fail(decision, DecisionTimeout())
+
+    def earliest_deadline(self) -> float:
+        return min((d.request.deadline for d in list(self.queue) + list(self.running.values())), default=math.inf)
+
+    def fail_all(self, error: EngineError) -> None:
+        for decision in list(self.queue) + list(self.running.values()):
+            self.fail(decision, error)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.running)
+
+
+def job_index(decision: DecisionJob, job: Job) -> int:
+    """Which branch `job` is: the branches' prompts are matched by the job's own prompt and labels."""
+    for index, (prompt, labels) in enumerate(zip(decision.request.prompts, decision.request.labels)):
+        if decision.reads[index] is None and prompt == job.prompt and labels == job.labels:
+            return index
+    raise AssertionError(f"branch job {job.id} matches no open branch of decision {decision.id}")
