@@ -140,10 +140,10 @@ async def test_tokenize_detokenize_models_info_and_metrics(tiny_model):
 
 def test_serve_ends_cleanly_on_sigterm_and_refuses_unbuilt_flags(tmp_path):
     tiny.build("llama", tmp_path)
-    refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--decider"],
+    refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--vision"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
-    assert refused.stderr.strip() == "lanes: error: --decider is not available in this version of lanes"
+    assert refused.stderr.strip() == "lanes: error: --vision is not available in this version of lanes"
     server = subprocess.Popen([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--port", "0",
                                "--device", "cpu", "--max-model-len", "128"], stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})

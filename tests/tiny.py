@@ -28,14 +28,18 @@ def _byte_of(char: str) -> int:
     return sorted(set(range(256)) - set(printable))[ord(char) - 256]
 
 
-def write_tokenizer(folder: Path, chat_template: str = CHATML) -> int:
+LABEL_MERGES = [("y", "e"), ("ye", "s"), ("n", "o")]  # "yes" and "no" as single tokens, for decisions
+
+
+def write_tokenizer(folder: Path, chat_template: str = CHATML, labels: bool = False) -> int:
     """A byte-level BPE tokenizer with a few merges and ChatML specials; returns its vocabulary size."""
+    merges = MERGES + (LABEL_MERGES if labels else [])
     vocab = {c: i for i, c in enumerate(byte_alphabet())}
-    for a, b in MERGES:
+    for a, b in merges:
         vocab[a + b] = len(vocab)
     for special in SPECIALS:
         vocab[special] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=MERGES))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIALS)
@@ -55,12 +59,12 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             param.copy_(1.0 + noise if "norm" in name else noise)
 
 
-def build(kind: str, folder: Path, seed: int = 0, **overrides):
+def build(kind: str, folder: Path, seed: int = 0, labels: bool = False, **overrides):
     """A transformers model of family `kind` (llama, qwen2, qwen3) saved with a tokenizer; returns the model."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(folder)
+    vocab = write_tokenizer(folder, labels=labels)
     base = dict(vocab_size=vocab + 6, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     base.update(overrides)

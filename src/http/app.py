@@ -13,6 +13,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from ..text.chat import ChatTemplateError
+from . import decisions as decision_routes
 from . import errors
 from .openai_api import Exchange, chat_completions, completions
 from .service import Service
@@ -125,10 +126,30 @@ def create_app(service: Service) -> QuartTrio:
             return error_response(error)
         return json_response({"prompt": service.tokenizer.decode(tokens, skip_special_tokens=False)})
 
-    @app.route("/v1/decisions", methods=["POST"])
-    @app.route("/v1/systemone", methods=["POST"])
+    async def decide(endpoint: str, handler):
+        if not service.decides:
+            return error_response(errors.decisions_off())
+        exchange = Exchange(service, endpoint)
+        try:
+            body = await read_json(service)
+            result = await handler(service, body)
+        except errors.ApiError as error:
+            exchange.finish(error.status)
+            return error_response(error)
+        except BaseException:
+            exchange.finish(499)
+            raise
+        exchange.prompt_tokens = result["usage"]["input_tokens"]
+        exchange.finish(200)
+        return json_response(result)
+
+    @app.post("/v1/decisions")
     async def decisions():
-        return error_response(errors.decisions_off())
+        return await decide("decisions", decision_routes.decisions)
+
+    @app.post("/v1/systemone")
+    async def systemone():
+        return await decide("systemone", decision_routes.systemone)
 
     @app.errorhandler(errors.ApiError)
     async def api_error(error: errors.ApiError):

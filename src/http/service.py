@@ -28,6 +28,8 @@ class Service:
     tp: int = 1
     max_body: int = MAX_BODY
     tool_system: "ToolSystem | None" = None
+    decision_timeout: float = 30.0
+    label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 

@@ -20,7 +20,7 @@ from .runtime import Runtime, watch_signals
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
 NOT_YET = {
     "rank": "--rank", "master": "--master", "master_port": "--master-port", "vision": "--vision",
-    "vision_urls": "--vision-urls", "decider": "--decider",
+    "vision_urls": "--vision-urls",
 }
 
 
@@ -50,6 +50,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vision", action="store_true", help="accept image and video inputs")
     parser.add_argument("--vision-urls", action="store_true", help="fetch public HTTPS image URLs")
     parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
+    parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
+    parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")
     parser.add_argument("--tool-system", default=None, help="system prompt file put before requests that carry tools")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
@@ -77,7 +79,7 @@ def build_service(args: argparse.Namespace) -> Service:
     shape = backend.shape
     cache_bytes = shape.blocks * shape.bytes_per_block // 2 if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue,
-                    cache_bytes=cache_bytes)
+                    cache_bytes=cache_bytes, max_decisions=args.max_decisions)
     tool_system = None
     if args.tool_system is not None:
         from .http.tool_system import ToolSystem
@@ -90,7 +92,8 @@ def build_service(args: argparse.Namespace) -> Service:
             raise NotAvailable(f"--tool-system {args.tool_system}: {error.strerror}") from None
     name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
-                   request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system)
+                   request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
+                   decides=args.decider, decision_timeout=args.decision_timeout)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -92,9 +92,10 @@ def shared_trunk(prompts: Sequence[Sequence[int]], block_size: int) -> tuple[int
 class Decider:
     """Queued and running decisions, with their deadlines; the lane core calls in at the right moments."""
 
-    def __init__(self, core: "LaneCore", max_queue: int) -> None:
+    def __init__(self, core: "LaneCore", max_queue: int, idle_only: bool = False) -> None:
         self.core = core
         self.max_queue = max_queue
+        self.idle_only = idle_only  # the policy to compare against: decisions only when no stream is live
         self.queue: deque[DecisionJob] = deque()
         self.running: dict[int, DecisionJob] = {}
         self.counts = dict(asked=0, answered=0, failed=0)
@@ -119,6 +120,8 @@ class Decider:
 
     def admit(self, free: list[int]) -> None:
         """Give free lanes to running decisions' branches (oldest first), then to the queue's head."""
+        if self.idle_only and any(job is not None and job.kind == "stream" for job in self.core.lanes):
+            return
         for decision in sorted(self.running.values(), key=lambda d: d.id):
             if not self._admit_branches(decision, free):
                 return  # out of blocks: later ones wait behind it

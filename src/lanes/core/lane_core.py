@@ -33,13 +33,13 @@ class LaneCore:
 
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
                  max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
-                 cache_bytes: int = 0, max_decisions: int = 64) -> None:
+                 cache_bytes: int = 0, max_decisions: int = 64, decisions_idle_only: bool = False) -> None:
         shape = backend.shape
         self.backend = backend
         self.pool = BlockPool(shape.blocks, shape.block_size)
         # The prompt cache is state the lane core alone touches, like the pool (docs/DECISIONS.md says why).
         self.cache = PromptCache(self.pool, cache_bytes, shape.bytes_per_block) if cache_bytes > 0 else None
-        self.decider = Decider(self, max_decisions)
+        self.decider = Decider(self, max_decisions, idle_only=decisions_idle_only)
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
         self.max_model_len = shape.max_model_len
