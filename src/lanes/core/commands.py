@@ -7,6 +7,7 @@ from typing import Any, Hashable
 
 import trio
 
+from ..gpu.blocks import IntegrityError
 from .stream import EngineError, Request
 
 
@@ -38,12 +39,18 @@ class Reply:
         self.delivered = False
 
     def set(self, value: Any) -> None:
+        self._once()
         self.value = value
         self._done.set()
 
     def fail(self, error: Exception) -> None:
+        self._once()
         self.error = error
         self._done.set()
+
+    def _once(self) -> None:
+        if self._done.is_set():
+            raise IntegrityError("a reply answered twice")
 
     async def wait(self) -> Any:
         await self._done.wait()

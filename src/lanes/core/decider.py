@@ -23,7 +23,7 @@ from .commands import Reply
 from .plan import LabelRead
 from .sampling import SamplingParams
 from .schedule import Job, Phase
-from .stream import EngineError, QueueFull
+from .stream import EngineError, Finished, QueueFull
 
 if TYPE_CHECKING:
     from .lane_core import LaneCore
@@ -69,6 +69,7 @@ class DecisionJob:
     pending: deque[int]  # branches still waiting for a lane
     reads: list[LabelRead | None]
     running: set[int] = field(default_factory=set)  # job ids of its trunk or branches in lanes
+    trunk_blocks: list[int] = field(default_factory=list)  # in position order, held under `owner`
     trunk_ready: bool = False
     cached: int = 0
 
@@ -164,7 +165,7 @@ class Decider:
             decision.pending.popleft()
             table = core._bind(job, free.pop(0))
             if shared:
-                table.adopt(core.pool, core.pool.held(decision.owner), len(decision.trunk))
+                table.adopt(core.pool, decision.trunk_blocks, len(decision.trunk))
                 job.done = len(decision.trunk)
             table.reserve(core.pool, len(prompt))
             job.phase = Phase.PREFILL
@@ -178,10 +179,14 @@ class Decider:
         decision.running.discard(job.id)
         if decision.id not in self.running or job.cancelled:
             return
+        if not isinstance(job.outcome, Finished) or job.done != len(job.prompt):
+            self.fail(decision, DecisionCancelled())  # a part ended before its prompt ran: nothing to answer with
+            return
         if job.kind == "trunk":
             full = len(decision.trunk) // self.core.pool.block_size
             blocks = job.table.blocks[:full]
             self.core.pool.fork(decision.owner, blocks)  # the branches adopt these; the lane lets go
+            decision.trunk_blocks = list(blocks)
             if self.core.cache is not None:
                 self.core.cache.keep(decision.trunk, blocks)
             decision.cached = job.cached

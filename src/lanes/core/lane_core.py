@@ -209,9 +209,12 @@ class LaneCore:
                 self._answer(job, Failed(QueueTimeout()))
             if now >= self._grace_deadline:
                 self._grace_deadline = math.inf
+                self.decider.fail_all(ShuttingDown())  # cancels its trunks and branches in lanes
                 for job in self.lanes:
-                    if job is not None and job.outcome is None:
+                    if job is not None and job.outcome is None and job.kind == "stream":
                         self._answer(job, Failed(ShuttingDown()))
+                    elif job is not None and job.kind == "warm":
+                        job.cancelled = True
             self._wake.set()
 
     # ---- commands (run by the inbox task, between checkpoints) ----
@@ -265,7 +268,7 @@ class LaneCore:
             command.reply.fail(PromptTooLong(limit, min(self.max_model_len, self.pool.total * self.pool.block_size)))
             return
         job = Job(self._take_id(), "warm", command.prompt, SamplingParams(), limit)
-        job.kept = not (command.into_cache and self.cache is not None)  # `kept` False: the cache is to take it
+        job.into_cache = command.into_cache
         self._jobs[job.id] = job
         self._warm.append((job, command.reply))
 
@@ -355,25 +358,27 @@ class LaneCore:
         return False
 
     def _place(self, job: Job, lane: int, match: Match, capacity: int) -> None:
-        """Bind `job` to `lane`, restore its cached prefix (or fall back), and reserve room for `capacity` tokens."""
+        """Bind `job` to `lane`, take its restored prefix's blocks, and reserve room for `capacity` tokens."""
         table = self._bind(job, lane)
         if match.node is not None:
-            if self._restore(job, match):
-                table.adopt(self.pool, match.blocks, match.tokens)
-                job.done = job.cached = match.tokens
-                job.restore = match.node
-            else:
-                self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
+            table.adopt(self.pool, match.blocks, match.tokens)
+            job.done = job.cached = match.tokens
+            job.restore = match.node
         table.reserve(self.pool, capacity)
         job.phase = Phase.PREFILL
 
     def _lookup(self, job: Job) -> Match:
-        """The longest cached prefix the job may restore, pinned; at least one prompt row is left to run."""
+        """The longest cached prefix the job will restore, pinned (none when the restore fails, which falls back
+        to a fresh prefill); at least one prompt row is left to run."""
         if self.cache is None or job.sampling.prompt_logprobs:
             return Match(None, 0, ())
         match = self.cache.lookup(job.prompt[:-1])
-        if match.node is not None:
-            self.cache.pin(match.node)
+        if match.node is None:
+            return match
+        self.cache.pin(match.node)
+        if not self._restore(job, match):
+            self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
+            return Match(None, 0, ())
         return match
 
     def _restore(self, job: Job, match: Match) -> bool:
@@ -418,8 +423,9 @@ class LaneCore:
             return
         full = job.done // self.pool.block_size
         tokens, blocks = tuple(job.prompt[: full * self.pool.block_size]), tuple(job.table.blocks[:full])
-        if not job.kept:
-            reply.set(WarmResult(tokens, blocks, None, kept=self.cache.keep(tokens, blocks)))
+        if job.into_cache:
+            kept = self.cache is not None and self.cache.keep(tokens, blocks)
+            reply.set(WarmResult(tokens, blocks, None, kept=kept))
             return
         owner = ("warm", job.id)
         self.pool.fork(owner, blocks)
@@ -498,6 +504,7 @@ class LaneCore:
             self._answer(job, Failed(error))
         self._queue.clear()
         for job, reply in self._warm:
+            self._jobs.pop(job.id, None)
             reply.fail(error)
         self._warm.clear()
         for lane, job in enumerate(self.lanes):

@@ -56,6 +56,7 @@ class Job:
     labels: tuple[int, ...] = ()  # a branch's label tokens, read at the row after its prompt
     read: object = None  # a branch's LabelRead, once its last row has run
     owner: object = None  # the DecisionJob a trunk or branch belongs to
+    into_cache: bool = False  # a warm pass whose blocks go to the prompt cache, not to its asker
 
     @property
     def live(self) -> bool:

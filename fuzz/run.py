@@ -1,0 +1,234 @@
+"""Run one scenario against the real lane core (fake backend, virtual time) and check every invariant.
+
+Invariants: every waiter answered exactly once (a result or a typed error); every lane free; the block
+pool balanced; no pin and no decision's blocks left; no task left running (the nursery closed); each
+component's `check_integrity()`; and what streams and decisions that were not cancelled received equals
+their solo runs on a fresh engine.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import trio
+import trio.testing
+
+from lanes.core.commands import WarmCancelled
+from lanes.core.decider import DecisionCancelled, DecisionRequest, DecisionTimeout
+from lanes.core.fake import EOS, FakeBackend, fake_text
+from lanes.core.lane_core import LaneCore
+from lanes.core.sampling import InvalidParameter, SamplingParams
+from lanes.core.stream import BackendFailed, EngineError, Failed, Finished, Request, TokenEvent
+
+from .deterministic import deterministic_schedule
+from .scenarios import Scenario, StreamClient, draw
+
+EXPECTED_ERRORS = (EngineError, InvalidParameter)
+
+
+class FuzzFailure(AssertionError):
+    """An invariant broke; `reproducer` is the one line that runs the same scenario again."""
+
+    def __init__(self, seed: int, message: str) -> None:
+        super().__init__(f"{message}\n  reproduce: python -m fuzz --seed {seed} --one")
+        self.seed = seed
+        self.reproducer = f"python -m fuzz --seed {seed} --one"
+
+
+class FuzzCore(LaneCore):
+    """The real lane core with one fault switch: restores fail at the scenario's rate (seeded)."""
+
+    def __init__(self, *args, restore_failures: float = 0.0, seed: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._fail_rng = random.Random(seed)
+        self._restore_failures = restore_failures
+
+    def _restore(self, job, match) -> bool:
+        return super()._restore(job, match) and self._fail_rng.random() >= self._restore_failures
+
+
+@dataclass
+class Record:
+    """What one client saw."""
+
+    kind: str
+    events: list = field(default_factory=list)
+    error: BaseException | None = None
+    left: bool = False  # the client went away (or cancelled) on purpose
+    result: object = None
+
+
+def sampling_of(client: StreamClient) -> SamplingParams:
+    greedy = client.seed is None
+    return SamplingParams(temperature=0 if greedy else 0.9, top_p=1.0 if greedy else 0.9, seed=client.seed,
+                          max_tokens=client.max_tokens, stop=client.stop)
+
+
+def build(scn: Scenario, solo: bool = False) -> tuple[FuzzCore, FakeBackend]:
+    backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds,
+                          fail_at=None if solo else scn.device_lost_at)
+    core = FuzzCore(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
+                    max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
+                    restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed)
+    return core, backend
+
+
+async def stream_client(core: LaneCore, client: StreamClient, record: Record) -> None:
+    await trio.sleep_until(client.at)
+    deadline = float("inf") if client.deadline is None else trio.current_time() + client.deadline
+    with trio.CancelScope(deadline=client.cancel_at if client.cancel_at is not None else float("inf")) as scope:
+        try:
+            stream = await core.submit(Request(client.prompt, sampling_of(client), deadline))
+        except EXPECTED_ERRORS as error:
+            record.error = error
+            return
+        try:
+            async for event in stream.events:
+                record.events.append(event)
+                if client.leave_after is not None and len(record.events) >= client.leave_after:
+                    record.left = True
+                    break
+        finally:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+    if scope.cancelled_caught:
+        record.left = True
+
+
+async def decision_client(core: LaneCore, client, record: Record) -> None:
+    await trio.sleep_until(client.at)
+    deadline = float("inf") if client.deadline is None else trio.current_time() + client.deadline
+    with trio.CancelScope(deadline=client.cancel_at if client.cancel_at is not None else float("inf")) as scope:
+        try:
+            record.result = await core.decide(DecisionRequest(client.prompts, client.labels, deadline))
+        except EXPECTED_ERRORS as error:
+            record.error = error
+    if scope.cancelled_caught:
+        record.left = True
+
+
+async def warm_client(core: LaneCore, client, record: Record) -> None:
+    await trio.sleep_until(client.at)
+    try:
+        record.result = await core.warm(client.prompt, into_cache=True)
+    except EXPECTED_ERRORS as error:
+        record.error = error
+
+
+async def run_scenario(scn: Scenario) -> tuple[dict, FuzzCore]:
+    core, backend = build(scn)
+    records: dict[str, Record] = {}
+    lost: list[BackendFailed] = []
+
+    async def run_core(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await core.run(task_status=task_status)
+        except BackendFailed as error:  # the lost device of the scenario: the clients carry on and are refused
+            lost.append(error)
+
+    async with trio.open_nursery() as outer:
+        await outer.start(run_core)
+        async with trio.open_nursery() as clients:
+            for i, c in enumerate(scn.streams):
+                records[f"stream{i}"] = Record("stream")
+                clients.start_soon(stream_client, core, c, records[f"stream{i}"])
+            for i, c in enumerate(scn.decisions):
+                records[f"decision{i}"] = Record("decision")
+                clients.start_soon(decision_client, core, c, records[f"decision{i}"])
+            for i, c in enumerate(scn.warms):
+                records[f"warm{i}"] = Record("warm")
+                clients.start_soon(warm_client, core, c, records[f"warm{i}"])
+            if scn.shutdown_at is not None:
+                clients.start_soon(shutdown_later, core, scn.shutdown_at, scn.grace)
+        await core.shutdown(0)
+    if lost and scn.device_lost_at is None:
+        raise FuzzFailure(scn.seed, f"the backend failed: {lost[0]}")
+    return records, core
+
+
+async def shutdown_later(core: LaneCore, at: float, grace: float) -> None:
+    await trio.sleep_until(at)
+    core.begin_shutdown(grace)
+
+
+def check(scn: Scenario, records: dict, core: FuzzCore) -> None:
+    """Every invariant of the module docstring, or FuzzFailure."""
+
+    def fail(message: str) -> None:
+        raise FuzzFailure(scn.seed, message)
+
+    try:
+        core.check_integrity()
+    except AssertionError as error:
+        fail(f"integrity: {error}")
+    if any(job is not None for job in core.lanes):
+        fail("a lane is still held")
+    if core.pool.free != core.pool.total:
+        fail(f"the block pool is not balanced: {core.pool.statistics()}")
+    if core.decider.queue or core.decider.running:
+        fail("a decision is still queued or running")
+    for name, record in records.items():
+        if record.kind == "stream" and record.error is None and not record.left:
+            ends = [e for e in record.events if isinstance(e, (Finished, Failed))]
+            if len(ends) != 1 or record.events[-1] is not ends[0]:
+                fail(f"{name} did not get exactly one final event: {record.events[-3:]}")
+        if record.kind == "decision" and not record.left and (record.result is None) == (record.error is None):
+            fail(f"{name} got no answer or two")
+        if record.error is not None and not isinstance(record.error, EXPECTED_ERRORS):
+            fail(f"{name} got an untyped error {record.error!r}")
+        if record.kind == "warm" and record.result is None and not isinstance(record.error, (WarmCancelled, EngineError)):
+            fail(f"{name} got no answer")
+
+
+def solo_equal(scn: Scenario, records: dict) -> None:
+    """Streams that ended normally got their solo tokens; answered decisions their solo reads."""
+    for i, client in enumerate(scn.streams):
+        record = records[f"stream{i}"]
+        if record.left or record.error is not None or not record.events or not isinstance(record.events[-1], Finished):
+            continue
+        tokens = [e.token for e in record.events if isinstance(e, TokenEvent)]
+        alone = trio.run(solo_stream, scn, client, clock=trio.testing.MockClock(autojump_threshold=0))
+        if tokens != alone:
+            raise FuzzFailure(scn.seed, f"stream{i} got {tokens}, alone it gets {alone}")
+    for i, client in enumerate(scn.decisions):
+        record = records[f"decision{i}"]
+        if record.result is None:
+            continue
+        alone = trio.run(solo_decision, scn, client, clock=trio.testing.MockClock(autojump_threshold=0))
+        if record.result.reads != alone.reads:
+            raise FuzzFailure(scn.seed, f"decision{i}'s reads differ from its solo run")
+
+
+async def solo_stream(scn: Scenario, client: StreamClient) -> list[int]:
+    core, _ = build(scn, solo=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(core.run)
+        stream = await core.submit(Request(client.prompt, sampling_of(client)))
+        tokens = [e.token async for e in stream.events if isinstance(e, TokenEvent)]
+        await core.shutdown(0)
+    return tokens
+
+
+async def solo_decision(scn: Scenario, client):
+    core, _ = build(scn, solo=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(core.run)
+        result = await core.decide(DecisionRequest(client.prompts, client.labels))
+        await core.shutdown(0)
+    return result
+
+
+def run_seed(seed: int) -> Scenario:
+    """Draw, run under a deterministic schedule and virtual time, and check one scenario (FuzzFailure if broken)."""
+    scn = draw(seed)
+    with deterministic_schedule(seed):
+        try:
+            records, core = trio.run(run_scenario, scn, clock=trio.testing.MockClock(autojump_threshold=0))
+        except FuzzFailure:
+            raise
+        except BaseException as error:  # a crash is a finding too, with its reproducer
+            raise FuzzFailure(seed, f"crashed: {type(error).__name__}: {error}") from error
+        check(scn, records, core)
+    solo_equal(scn, records)
+    return scn
