@@ -25,6 +25,7 @@ from .deterministic import deterministic_schedule
 from .scenarios import Scenario, StreamClient, draw
 
 EXPECTED_ERRORS = (EngineError, InvalidParameter)
+HANG = 24 * 3600.0  # virtual seconds: far past any scenario's horizon
 
 
 class FuzzFailure(AssertionError):
@@ -127,6 +128,16 @@ async def run_scenario(scn: Scenario) -> tuple[dict, FuzzCore]:
         except BackendFailed as error:  # the lost device of the scenario: the clients carry on and are refused
             lost.append(error)
 
+    with trio.move_on_after(HANG) as watchdog:  # virtual time: a deadlock jumps straight here
+        await run_clients(scn, core, records, run_core)
+    if watchdog.cancelled_caught:
+        raise FuzzFailure(scn.seed, f"hung: still running after {HANG:.0f} s of virtual time")
+    if lost and scn.device_lost_at is None:
+        raise FuzzFailure(scn.seed, f"the backend failed: {lost[0]}")
+    return records, core
+
+
+async def run_clients(scn: Scenario, core: FuzzCore, records: dict, run_core) -> None:
     async with trio.open_nursery() as outer:
         await outer.start(run_core)
         async with trio.open_nursery() as clients:
@@ -142,9 +153,6 @@ async def run_scenario(scn: Scenario) -> tuple[dict, FuzzCore]:
             if scn.shutdown_at is not None:
                 clients.start_soon(shutdown_later, core, scn.shutdown_at, scn.grace)
         await core.shutdown(0)
-    if lost and scn.device_lost_at is None:
-        raise FuzzFailure(scn.seed, f"the backend failed: {lost[0]}")
-    return records, core
 
 
 async def shutdown_later(core: LaneCore, at: float, grace: float) -> None:

@@ -96,11 +96,11 @@ def draw(seed: int) -> Scenario:
     return Scenario(
         seed=seed,
         lanes=rng.choice([1, 2, 3, 5]),
-        blocks=rng.choice([24, 40, 96]),
+        blocks=rng.choice([10, 16, 24, 40, 96]),
         max_rows=rng.choice([8, 16, 64]),
         max_queue=rng.choice([1, 4, 64]),
         max_decisions=rng.choice([1, 8]),
-        cache_bytes=rng.choice([0, 4, 12, 64]),
+        cache_bytes=rng.choice([0, 4, 8, 12, 64]),
         pass_seconds=rng.choice([0.05, 0.2, 1.0]),
         streams=tuple(streams),
         decisions=tuple(decisions),

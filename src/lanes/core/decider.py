@@ -119,13 +119,19 @@ class Decider:
 
     # ---- at boundaries ----
 
-    def admit(self, free: list[int]) -> None:
-        """Give free lanes to running decisions' branches (oldest first), then to the queue's head."""
-        if self.idle_only and any(job is not None and job.kind == "stream" for job in self.core.lanes):
+    def admit_running(self, free: list[int]) -> None:
+        """Give free lanes to the branches of decisions already under way (oldest first): they hold their
+        trunks' blocks, so letting them finish is what frees those blocks for a stream at the queue's head."""
+        if self._held_back():
             return
         for decision in sorted(self.running.values(), key=lambda d: d.id):
             if not self._admit_branches(decision, free):
                 return  # out of blocks: later ones wait behind it
+
+    def admit_queued(self, free: list[int]) -> None:
+        """Start the queue's head in free lanes (called only when no stream waits for a lane)."""
+        if self._held_back():
+            return
         while free and self.queue:
             decision = self.queue[0]
             if decision.trunk:
@@ -137,6 +143,9 @@ class Decider:
                 decision.trunk_ready = True
                 if not self._admit_branches(decision, free):
                     return
+
+    def _held_back(self) -> bool:
+        return self.idle_only and any(job is not None and job.kind == "stream" for job in self.core.lanes)
 
     def _admit_trunk(self, decision: DecisionJob, free: list[int]) -> bool:
         core = self.core

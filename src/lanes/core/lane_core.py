@@ -334,12 +334,13 @@ class LaneCore:
             self._queue_changed.set()
             self._place(job, free.pop(0), match, capacity=job.limit - 1)
             self._counts["admitted"] += 1
-        if not self._queue:  # a request waiting for a lane goes before any decision
-            self.decider.admit(free)
+        self.decider.admit_running(free)  # decisions under way finish, and free their trunks' blocks
+        if not self._queue:  # a request waiting for a lane goes before any decision not yet started
+            self.decider.admit_queued(free)
         quiet = not self._queue and not self.decider.busy and not any(j is not None and j.kind == "stream" for j in self.lanes)
         while quiet and free and self._warm:
             job, reply = self._warm[0]
-            if not self.pool.can_allocate(blocks_for(job.limit)):
+            if not self._room_for(blocks_for(job.limit, self.pool.block_size), None):
                 break
             self._warm.popleft()
             self._bind(job, free.pop(0)).reserve(self.pool, job.limit)
