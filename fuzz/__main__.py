@@ -15,11 +15,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep drawing scenarios")
     parser.add_argument("--seed", type=int, default=0, help="the first seed; each scenario takes the next")
     parser.add_argument("--one", action="store_true", help="run only the scenario of --seed")
+    parser.add_argument("--backend", choices=["fake", "torch"], default="fake",
+                        help="the fake backend (fast) or the tiny torch model (slower)")
     args = parser.parse_args()
     start, seed, count = time.monotonic(), args.seed, 0
     while True:
         try:
-            run_seed(seed)
+            run_seed(seed, args.backend)
         except FuzzFailure as failure:
             print(f"FAILED after {count} scenarios: {failure}", file=sys.stderr)
             return 1

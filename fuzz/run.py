@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
+from lanes.core.backend import BackendWrapper
 from lanes.core.commands import WarmCancelled
 from lanes.core.decider import DecisionCancelled, DecisionRequest, DecisionTimeout
 from lanes.core.fake import EOS, FakeBackend, fake_text
@@ -31,10 +32,11 @@ HANG = 24 * 3600.0  # virtual seconds: far past any scenario's horizon
 class FuzzFailure(AssertionError):
     """An invariant broke; `reproducer` is the one line that runs the same scenario again."""
 
-    def __init__(self, seed: int, message: str) -> None:
-        super().__init__(f"{message}\n  reproduce: python -m fuzz --seed {seed} --one")
-        self.seed = seed
-        self.reproducer = f"python -m fuzz --seed {seed} --one"
+    def __init__(self, seed: int, message: str, backend_kind: str = "fake") -> None:
+        option = "" if backend_kind == "fake" else f" --backend {backend_kind}"
+        self.reproducer = f"python -m fuzz --seed {seed} --one{option}"
+        super().__init__(f"{message}\n  reproduce: {self.reproducer}")
+        self.seed, self.message = seed, message
 
 
 class FuzzCore(LaneCore):
@@ -66,9 +68,58 @@ def sampling_of(client: StreamClient) -> SamplingParams:
                           max_tokens=client.max_tokens, stop=client.stop)
 
 
-def build(scn: Scenario, solo: bool = False) -> tuple[FuzzCore, FakeBackend]:
-    backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds,
-                          fail_at=None if solo else scn.device_lost_at)
+class InlineRunner:
+    """Runs a pass on the event loop itself: instant in virtual time, so autojump never races a thread."""
+
+    async def run(self, fn):
+        await trio.lowlevel.checkpoint()
+        return fn()
+
+    def close(self) -> None:
+        pass
+
+
+class LosesDevice(BackendWrapper):
+    """A backend whose `fail_at`-th pass raises: the death of a follower rank, simulated."""
+
+    def __init__(self, inner, fail_at: int | None = None) -> None:
+        super().__init__(inner)
+        self.fail_at, self.passes = fail_at, 0
+
+    async def step(self, plan):
+        self.passes += 1
+        if self.passes == self.fail_at:
+            raise RuntimeError("a follower rank died")
+        return await self.inner.step(plan)
+
+
+_models: dict[int, object] = {}
+
+
+def torch_backend(scn: Scenario):
+    """The tiny torch model (built once a pool size) as a backend, passes run inline."""
+    from lanes.core.torch_backend import TorchBackend
+
+    if scn.blocks not in _models:
+        import tempfile
+        from pathlib import Path
+
+        from lanes.gpu.device import choose
+        from lanes.loader import load_model
+        from tests import tiny
+
+        folder = Path(tempfile.mkdtemp(prefix="fuzz-tiny-"))
+        tiny.build("qwen2", folder, max_position_embeddings=512)
+        _models[scn.blocks] = load_model(folder, choose("cpu", "fp32"), kv_blocks=scn.blocks, quiet=True)
+    return TorchBackend(_models[scn.blocks], InlineRunner(), lanes=scn.lanes, max_model_len=512)
+
+
+def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tuple[FuzzCore, object]:
+    fail_at = None if solo else scn.device_lost_at
+    if backend_kind == "torch":
+        backend = LosesDevice(torch_backend(scn), fail_at)
+    else:
+        backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds, fail_at=fail_at)
     core = FuzzCore(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
                     max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
                     restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed)
@@ -117,8 +168,8 @@ async def warm_client(core: LaneCore, client, record: Record) -> None:
         record.error = error
 
 
-async def run_scenario(scn: Scenario) -> tuple[dict, FuzzCore]:
-    core, backend = build(scn)
+async def run_scenario(scn: Scenario, backend_kind: str = "fake") -> tuple[dict, FuzzCore]:
+    core, backend = build(scn, backend_kind=backend_kind)
     records: dict[str, Record] = {}
     lost: list[BackendFailed] = []
 
@@ -189,27 +240,27 @@ def check(scn: Scenario, records: dict, core: FuzzCore) -> None:
             fail(f"{name} got no answer")
 
 
-def solo_equal(scn: Scenario, records: dict) -> None:
+def solo_equal(scn: Scenario, records: dict, backend_kind: str = "fake") -> None:
     """Streams that ended normally got their solo tokens; answered decisions their solo reads."""
     for i, client in enumerate(scn.streams):
         record = records[f"stream{i}"]
         if record.left or record.error is not None or not record.events or not isinstance(record.events[-1], Finished):
             continue
         tokens = [e.token for e in record.events if isinstance(e, TokenEvent)]
-        alone = trio.run(solo_stream, scn, client, clock=trio.testing.MockClock(autojump_threshold=0))
+        alone = trio.run(solo_stream, scn, client, backend_kind, clock=trio.testing.MockClock(autojump_threshold=0))
         if tokens != alone:
             raise FuzzFailure(scn.seed, f"stream{i} got {tokens}, alone it gets {alone}")
     for i, client in enumerate(scn.decisions):
         record = records[f"decision{i}"]
         if record.result is None:
             continue
-        alone = trio.run(solo_decision, scn, client, clock=trio.testing.MockClock(autojump_threshold=0))
+        alone = trio.run(solo_decision, scn, client, backend_kind, clock=trio.testing.MockClock(autojump_threshold=0))
         if record.result.reads != alone.reads:
             raise FuzzFailure(scn.seed, f"decision{i}'s reads differ from its solo run")
 
 
-async def solo_stream(scn: Scenario, client: StreamClient) -> list[int]:
-    core, _ = build(scn, solo=True)
+async def solo_stream(scn: Scenario, client: StreamClient, backend_kind: str) -> list[int]:
+    core, _ = build(scn, solo=True, backend_kind=backend_kind)
     async with trio.open_nursery() as nursery:
         await nursery.start(core.run)
         stream = await core.submit(Request(client.prompt, sampling_of(client)))
@@ -218,8 +269,8 @@ async def solo_stream(scn: Scenario, client: StreamClient) -> list[int]:
     return tokens
 
 
-async def solo_decision(scn: Scenario, client):
-    core, _ = build(scn, solo=True)
+async def solo_decision(scn: Scenario, client, backend_kind: str):
+    core, _ = build(scn, solo=True, backend_kind=backend_kind)
     async with trio.open_nursery() as nursery:
         await nursery.start(core.run)
         result = await core.decide(DecisionRequest(client.prompts, client.labels))
@@ -227,16 +278,22 @@ async def solo_decision(scn: Scenario, client):
     return result
 
 
-def run_seed(seed: int) -> Scenario:
-    """Draw, run under a deterministic schedule and virtual time, and check one scenario (FuzzFailure if broken)."""
+def run_seed(seed: int, backend_kind: str = "fake") -> Scenario:
+    """Draw, run under a deterministic schedule and virtual time, and check one scenario (FuzzFailure if broken).
+    `backend_kind`: the fake backend, or "torch" for the tiny torch model."""
     scn = draw(seed)
-    with deterministic_schedule(seed):
-        try:
-            records, core = trio.run(run_scenario, scn, clock=trio.testing.MockClock(autojump_threshold=0))
-        except FuzzFailure:
+    try:
+        with deterministic_schedule(seed):
+            try:
+                records, core = trio.run(run_scenario, scn, backend_kind, clock=trio.testing.MockClock(autojump_threshold=0))
+            except FuzzFailure:
+                raise
+            except BaseException as error:  # a crash is a finding too, with its reproducer
+                raise FuzzFailure(seed, f"crashed: {type(error).__name__}: {error}") from error
+            check(scn, records, core)
+        solo_equal(scn, records, backend_kind)
+    except FuzzFailure as failure:
+        if backend_kind == "fake":
             raise
-        except BaseException as error:  # a crash is a finding too, with its reproducer
-            raise FuzzFailure(seed, f"crashed: {type(error).__name__}: {error}") from error
-        check(scn, records, core)
-    solo_equal(scn, records)
+        raise FuzzFailure(seed, failure.message, backend_kind) from failure
     return scn

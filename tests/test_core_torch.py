@@ -119,7 +119,8 @@ async def test_the_event_loop_never_waits_more_than_one_pass(tiny_model):
 
 
 def wrappers() -> list[type]:
-    import lanes.core.metered  # noqa: F401  (every module that defines a wrapper)
+    import fuzz.run  # noqa: F401  (every module that defines a wrapper)
+    import lanes.core.metered  # noqa: F401
 
     found, todo = [], [BackendWrapper]
     while todo:

@@ -20,19 +20,24 @@ from lanes.core.lane_core import LaneCore
 from lanes.core.prompt_cache import Match
 
 BUDGET = float(os.environ.get("FUZZ_SECONDS", "100"))
+TORCH_BUDGET = float(os.environ.get("FUZZ_TORCH_SECONDS", "25"))
 
 
-def fuzz_for(seconds: float, first_seed: int = 0) -> int:
+def fuzz_for(seconds: float, first_seed: int = 0, backend: str = "fake") -> int:
     """Run scenarios from `first_seed` for `seconds`; returns how many passed (FuzzFailure propagates)."""
     start, seed = time.monotonic(), first_seed
     while time.monotonic() - start < seconds:
-        run_seed(seed)
+        run_seed(seed, backend)
         seed += 1
     return seed - first_seed
 
 
 def test_the_ci_budget_of_seeded_scenarios_passes():
     assert fuzz_for(BUDGET) > 100
+
+
+def test_a_smaller_budget_on_the_tiny_torch_model_passes():
+    assert fuzz_for(TORCH_BUDGET, first_seed=50_000, backend="torch") > 10
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
