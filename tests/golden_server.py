@@ -61,6 +61,8 @@ CASES = {
     "missing-api-key": ("api-key", "POST", CHAT, {"messages": HELLO}, {}),
     "wrong-api-key": ("api-key", "POST", CHAT, {"messages": HELLO}, {"Authorization": "Bearer nope"}),
     "queue-full": ("queue-full", "POST", CHAT, {"messages": HELLO, "max_tokens": 2}, {}),
+    "headers-over-the-limit": ("plain", "POST", CHAT, {"messages": HELLO}, {"X-Padding": "x" * 20000}),
+    "too-many-open-requests": ("open-full", "POST", CHAT, {"messages": HELLO, "max_tokens": 2}, {}),
     "shutting-down": ("shutting-down", "POST", CHAT, {"messages": HELLO, "max_tokens": 2}, {}),
 }
 
@@ -90,11 +92,13 @@ async def setup(kind: str, folder: Path):
         service, backend = fake_service(folder, api_key="s3cret")
     elif kind == "queue-full":
         service, backend = fake_service(folder, lanes=1, max_queue=0)
+    elif kind == "open-full":
+        service, backend = fake_service(folder, max_open=1)
     else:
         service, backend = fake_service(folder)
     async with serving(service, grace=30) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            if kind in ("queue-full", "shutting-down"):
+            if kind in ("queue-full", "shutting-down", "open-full"):
                 entered, release = backend.hold()
                 async with trio.open_nursery() as nursery:
                     # A stream holds the (only) lane inside a held pass.

@@ -160,3 +160,28 @@ def test_serve_ends_cleanly_on_sigterm_and_refuses_unbuilt_flags(tmp_path):
         assert "SIGTERM received" in rest and "stopped" in rest and "Traceback" not in rest
     finally:
         server.kill()
+
+
+async def test_a_client_that_sends_its_body_too_slowly_gets_408_and_the_server_stays_up(tmp_path):
+    service, _ = fake_service(tmp_path, body_timeout=0.5)
+    async with serving(service) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        with trio.fail_after(20):
+            stream = await trio.open_tcp_stream(host, int(port))
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: 100\r\n\r\n{\"messages\": ")  # and then nothing more
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            await stream.aclose()
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408")
+        assert json.loads(body)["error"] == {"message": "the request body did not arrive within 0.5 seconds",
+                                             "type": "invalid_request_error", "param": None, "code": "body_timeout"}
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert (await http.get("/health")).status_code == 200
+            info = (await http.get("/v1/info")).json()
+    assert info["admission"]["open_requests"] == 0  # the slow request's slot was given back

@@ -10,7 +10,7 @@ import json
 
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge, RequestTimeout
 
 from ..text.chat import ChatTemplateError
 from . import decisions as decision_routes
@@ -46,11 +46,14 @@ async def read_json(service: Service) -> dict:
 def create_app(service: Service) -> QuartTrio:
     app = QuartTrio("lanes")
     app.config["RESPONSE_TIMEOUT"] = None  # long streams are ours to end, not Quart's
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = service.body_timeout  # a client sending its body too slowly gets 408
     app.config["MAX_CONTENT_LENGTH"] = service.max_body
 
     @app.before_request
     async def authenticate():
+        size = sum(len(k) + len(v) + 4 for k, v in request.headers.items())
+        if size > service.max_headers:
+            return error_response(errors.headers_too_large(service.max_headers))
         if service.api_key is None or request.path in OPEN_PATHS:
             return None
         given = request.headers.get("Authorization", "")
@@ -61,21 +64,37 @@ def create_app(service: Service) -> QuartTrio:
 
     async def generate(endpoint: str, handler):
         exchange = Exchange(service, endpoint)
+        if not service.open_requests.try_enter():
+            exchange.finish(429)
+            return error_response(errors.too_many_open(service.max_open))
+        streaming = False
         try:
             body = await read_json(service)
             result = await handler(service, body, exchange)
+            if not isinstance(result, dict):
+                streaming = True
+                response = Response(held_open(result), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+                response.timeout = None
+                return response
         except errors.ApiError as error:
             exchange.finish(error.status)
             return error_response(error)
         except BaseException:
             exchange.finish(499)  # the client went away (cancelled) or a bug (logged by the error handler)
             raise
-        if isinstance(result, dict):
-            exchange.finish(200)
-            return json_response(result)
-        response = Response(result, mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-        response.timeout = None
-        return response
+        finally:
+            if not streaming:
+                service.open_requests.leave()
+        exchange.finish(200)
+        return json_response(result)
+
+    async def held_open(events):
+        """The SSE body; the request stays open (counted) until the stream ends or the client leaves."""
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            service.open_requests.leave()
 
     @app.post("/v1/chat/completions")
     async def chat():
@@ -130,6 +149,9 @@ def create_app(service: Service) -> QuartTrio:
         if not service.decides:
             return error_response(errors.decisions_off())
         exchange = Exchange(service, endpoint)
+        if not service.open_requests.try_enter():
+            exchange.finish(429)
+            return error_response(errors.too_many_open(service.max_open))
         try:
             body = await read_json(service)
             result = await handler(service, body)
@@ -139,6 +161,8 @@ def create_app(service: Service) -> QuartTrio:
         except BaseException:
             exchange.finish(499)
             raise
+        finally:
+            service.open_requests.leave()
         exchange.prompt_tokens = result["usage"]["input_tokens"]
         exchange.finish(200)
         return json_response(result)
@@ -159,6 +183,8 @@ def create_app(service: Service) -> QuartTrio:
     async def http_error(error: HTTPException):
         if isinstance(error, RequestEntityTooLarge):
             return error_response(errors.body_too_large(service.max_body))
+        if isinstance(error, RequestTimeout):
+            return error_response(errors.body_timeout(service.body_timeout))
         if isinstance(error, NotFound):
             return error_response(errors.not_found())
         if isinstance(error, MethodNotAllowed):

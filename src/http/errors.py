@@ -78,6 +78,19 @@ def body_too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than the limit of {limit} bytes", code="body_too_large")
 
 
+def headers_too_large(limit: int) -> ApiError:
+    return ApiError(431, f"the request headers are larger than the limit of {limit} bytes", code="headers_too_large")
+
+
+def body_timeout(seconds: float) -> ApiError:
+    return ApiError(408, f"the request body did not arrive within {seconds:g} seconds", code="body_timeout")
+
+
+def too_many_open(limit: int) -> ApiError:
+    return ApiError(429, f"the server already holds {limit} open requests; retry shortly", type="rate_limit_error",
+                    code="too_many_open_requests", retry_after=1)
+
+
 def vision_off() -> ApiError:
     return ApiError(400, "image and video inputs need a server started with --vision", param="messages",
                     code="vision_disabled")

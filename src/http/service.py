@@ -11,6 +11,24 @@ from .metrics import Metrics
 from .tool_system import ToolSystem
 
 MAX_BODY = 4 << 20
+MAX_HEADERS = 16 << 10
+
+
+class OpenRequests:
+    """How many generation and decision requests are open (a streaming one until its stream ends)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def try_enter(self) -> bool:
+        if self.open >= self.limit:
+            return False
+        self.open += 1
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
 
 
 @dataclass
@@ -27,6 +45,9 @@ class Service:
     decides: bool = False
     tp: int = 1
     max_body: int = MAX_BODY
+    max_headers: int = MAX_HEADERS
+    body_timeout: float = 30.0
+    max_open: int = 1024
     tool_system: "ToolSystem | None" = None
     decision_timeout: float = 30.0
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
@@ -35,6 +56,7 @@ class Service:
 
     def __post_init__(self) -> None:
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
+        self.open_requests = OpenRequests(self.max_open)
         if self.metrics is None:
             cache = self.core.cache
             self.metrics = Metrics(self.core.statistics, cache.statistics if cache is not None else (lambda: None))
@@ -56,6 +78,9 @@ class Service:
                 "max_model_len": self.max_model_len,
                 "request_timeout": self.request_timeout,
                 "max_body_bytes": self.max_body,
+                "max_header_bytes": self.max_headers,
+                "max_open_requests": self.max_open,
+                "open_requests": self.open_requests.open,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "prompt_cache": self._cache_info(),

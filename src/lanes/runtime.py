@@ -53,6 +53,9 @@ class Runtime:
         config.bind = [f"{self.host}:{self.port}"]
         config.accesslog = None  # the server logs one line a request itself
         config.graceful_timeout = 5.0
+        config.h11_max_incomplete_size = 4 * self.service.max_headers  # a protocol backstop behind the app's 431
+        config.read_timeout = 60  # a connection that sends nothing is closed
+        config.keep_alive_timeout = 30
         async with trio.open_nursery() as nursery:
             await nursery.start(core.run)
             binds = await nursery.start(partial(hypercorn.trio.serve, create_app(self.service), config,

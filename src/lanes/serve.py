@@ -53,6 +53,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
     parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")
     parser.add_argument("--tool-system", default=None, help="system prompt file put before requests that carry tools")
+    parser.add_argument("--max-open", type=int, default=1024, help="generation and decision requests open at once (then 429)")
+    parser.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (then 408)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
@@ -93,7 +95,8 @@ def build_service(args: argparse.Namespace) -> Service:
     name = args.model if args.model.lower() in DEFAULTS else Path(args.model).name
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
-                   decides=args.decider, decision_timeout=args.decision_timeout)
+                   decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
+                   body_timeout=args.body_timeout)
 
 
 async def serve(args: argparse.Namespace) -> None:
