@@ -1,6 +1,6 @@
 """The GPU benchmark: our engine beside transformers on a Qwen2.5-0.5B-shaped model, in one run.
 
-    python bench/gpu.py [--streams 1,16,64] [--prompt 128] [--new 128] [--quick]
+    python bench/gpu.py [--streams 1,16,64] [--prompt 128] [--new 128] [--quick] [--tp N]
 
 A model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
 vocabulary 151936, tied embeddings) with random bf16 weights from a fixed seed, saved once and read by
@@ -213,7 +213,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="only our engine (no transformers peers)")
+    parser.add_argument("--tp", type=int, default=1, help="above 1: served --tp N beside --tp 1 (bench/gpu_tp.py)")
     args = parser.parse_args()
+    if args.tp > 1:
+        from gpu_tp import main_tp
+
+        main_tp(args, build, SHAPE)
+        return
     counts = [int(n) for n in args.streams.split(",")]
     most = max(counts)
     rows: list[tuple[str, int, float, float]] = []

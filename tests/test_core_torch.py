@@ -14,6 +14,7 @@ import trio
 import tiny
 from engine_helpers import collect, running
 from lanes.core.backend import BACKEND_ENTRIES, Backend, BackendWrapper
+from lanes.followers import Followers, FollowersBackend
 from lanes.core.metered import MeteredBackend
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import PromptLogprobs, Request, TokenEvent
@@ -118,9 +119,17 @@ async def test_the_event_loop_never_waits_more_than_one_pass(tiny_model):
     assert max(late) <= times.seconds_max  # never late by more than one pass
 
 
+class Sent:
+    """A control channel that records what rank 0 broadcasts."""
+
+    def __init__(self, into: list) -> None:
+        self.send = into.append
+
+
 def wrappers() -> list[type]:
     import fuzz.run  # noqa: F401  (every module that defines a wrapper)
     import lanes.core.metered  # noqa: F401
+    import lanes.followers  # noqa: F401
 
     found, todo = [], [BackendWrapper]
     while todo:
@@ -152,12 +161,14 @@ async def test_every_entry_of_the_backend_protocol_is_forwarded(wrapper):
         async def aclose(self):
             calls.append(("aclose",))
 
-    outer = wrapper(Inner())
+    sent = []
+    outer = wrapper(Inner(), Followers(Sent(sent), 2)) if wrapper is FollowersBackend else wrapper(Inner())
     assert outer.shape == "the shape"
     assert await outer.step("plan") == "result"
     outer.bind(3, (1, 2), "params")
     outer.unbind(3)
     await outer.aclose()
     assert calls == [("step", "plan"), ("bind", 3, (1, 2), "params"), ("unbind", 3), ("aclose",)]
+    assert sent == (["plan"] if wrapper is FollowersBackend else [])  # the followers hear of the pass first
     for name in BACKEND_ENTRIES:
         assert inspect.iscoroutinefunction(getattr(Backend, name, None)) == inspect.iscoroutinefunction(getattr(wrapper, name, None))

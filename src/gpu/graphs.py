@@ -86,7 +86,14 @@ class DecodeGraphs:
             len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces)
 
     def run(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """Replay the smallest bucket holding `pieces` (decode rows); returns logits [len(pieces), vocab]."""
+        """Replay the smallest bucket holding `pieces` (decode rows); returns logits [len(pieces), vocab].
+
+        Not captured (tensor-parallel ranks: their collectives stay outside graphs), the same step runs
+        eagerly on exactly the pieces' rows, so its collectives have the shapes `Decoder.forward`'s would."""
+        if not self._graphs:
+            self._fill(pieces, len(pieces))
+            self._device.copy_(self._host)
+            return self.decoder.decode_step(*self._views(len(pieces)))
         size = next(b for b in sorted(self.buckets) if b >= len(pieces))
         self._fill(pieces, size)
         self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream

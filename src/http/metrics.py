@@ -14,7 +14,8 @@ class Metrics:
     """One registry a server (no module-level state): request counters and latency histograms, plus the
     lane core's statistics read at scrape time."""
 
-    def __init__(self, core_stats: Callable[[], object], cache_stats: Callable[[], object | None] = lambda: None) -> None:
+    def __init__(self, core_stats: Callable[[], object], cache_stats: Callable[[], object | None] = lambda: None,
+                 ranks: Callable[[], tuple[int, object | None]] = lambda: (1, None)) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("lanes_requests", "Requests answered, by endpoint and status.", ["endpoint", "status"],
                                 registry=self.registry)
@@ -26,16 +27,17 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
                                   registry=self.registry)
-        self.registry.register(_CoreCollector(core_stats, cache_stats))
+        self.registry.register(_CoreCollector(core_stats, cache_stats, ranks))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _CoreCollector:
-    def __init__(self, core_stats, cache_stats) -> None:
+    def __init__(self, core_stats, cache_stats, ranks) -> None:
         self.core_stats = core_stats
         self.cache_stats = cache_stats
+        self.ranks = ranks
 
     def collect(self):
         stats = self.core_stats()
@@ -56,6 +58,11 @@ class _CoreCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        world, followers = self.ranks()
+        yield GaugeMetricFamily("lanes_world_size", "Tensor-parallel ranks.", value=world)
+        if followers is not None:
+            yield GaugeMetricFamily("lanes_followers_up", "1 while the follower ranks answer.", value=float(followers.state == "up"))
+            yield CounterMetricFamily("lanes_follower_plans", "Plans broadcast to the followers.", value=followers.plans)
         cache = self.cache_stats()
         if cache is not None:
             for name, doc, value in (

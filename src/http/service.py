@@ -49,6 +49,7 @@ class Service:
     body_timeout: float = 30.0
     max_open: int = 1024
     tool_system: "ToolSystem | None" = None
+    followers: object = None  # rank 0's Followers when there are ranks above 0
     decision_timeout: float = 30.0
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
@@ -59,7 +60,8 @@ class Service:
         self.open_requests = OpenRequests(self.max_open)
         if self.metrics is None:
             cache = self.core.cache
-            self.metrics = Metrics(self.core.statistics, cache.statistics if cache is not None else (lambda: None))
+            self.metrics = Metrics(self.core.statistics, cache.statistics if cache is not None else (lambda: None),
+                                   lambda: (self.tp, self.followers.statistics() if self.followers else None))
 
     def info(self) -> dict:
         stats = self.core.statistics()
@@ -85,7 +87,14 @@ class Service:
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "prompt_cache": self._cache_info(),
             "tool_system": self.tool_system is not None,
+            "followers": self._followers_info(),
         }
+
+    def _followers_info(self) -> dict | None:
+        if self.followers is None:
+            return None
+        f = self.followers.statistics()
+        return {"world": f.world, "state": f.state, "plans": f.plans, "heartbeats": f.heartbeats}
 
     def _cache_info(self) -> dict | None:
         if self.core.cache is None:

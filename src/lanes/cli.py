@@ -60,11 +60,16 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    from .core.stream import BackendFailed
     from .gpu.device import DeviceError
-    from .serve import NotAvailable, configure_logging, refuse_unbuilt, serve
+    from .gpu.ranks import PeerLost, RankError
+    from .serve import NotAvailable, configure_logging, refuse_unbuilt, serve_main
     from .text.chat import ChatTemplateError
 
+    usage = (CheckpointError, DeviceError, ChatTemplateError, NotAvailable, RankError)
+    failures = (BackendFailed, PeerLost)
     try:
         if args.command == "fetch":
             print(resolve_model(args.model))
@@ -73,10 +78,25 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve":
             configure_logging(args.log_level)
             refuse_unbuilt(args)
-            trio.run(serve, args)
-    except (CheckpointError, DeviceError, ChatTemplateError, NotAvailable) as error:
+            return serve_main(args, argv)
+    except usage as error:
         print(f"lanes: error: {error}", file=sys.stderr)
         return 2
+    except failures as error:
+        print(f"lanes: error: {error}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:  # from inside the runtime's nursery
+        found, _ = group.split(failures)
+        if found is None:
+            raise
+        print(f"lanes: error: {first_leaf(found)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def first_leaf(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group

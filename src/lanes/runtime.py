@@ -17,7 +17,8 @@ from hypercorn.config import Config
 
 from .core.commands import WarmCancelled
 from .core.lane_core import LaneCore
-from .core.stream import EngineError
+from .core.stream import BackendFailed, EngineError
+from .gpu.ranks import PeerLost
 from .http.app import create_app
 from .http.service import Service
 
@@ -43,6 +44,7 @@ class Runtime:
         self._stop = trio.Event()  # set by request_stop (a signal, or a test)
         self._http_stop = trio.Event()  # set by run once the lane core has drained
         self.listening: Listening | None = None
+        self.failure: Exception | None = None  # what ended the server, if it did not stop cleanly
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -56,8 +58,11 @@ class Runtime:
         config.h11_max_incomplete_size = 4 * self.service.max_headers  # a protocol backstop behind the app's 431
         config.read_timeout = 60  # a connection that sends nothing is closed
         config.keep_alive_timeout = 30
+        followers = self.service.followers
         async with trio.open_nursery() as nursery:
-            await nursery.start(core.run)
+            if followers is not None:
+                await nursery.start(self._guard, followers.run)
+            await nursery.start(self._guard, core.run)
             binds = await nursery.start(partial(hypercorn.trio.serve, create_app(self.service), config,
                                                 shutdown_trigger=self._http_stop.wait))
             host, _, port = binds[0].rpartition(":")
@@ -67,10 +72,27 @@ class Runtime:
                 nursery.start_soon(self._warm_tool_system)
             task_status.started(self.listening)
             await self._stop.wait()
-            log.info("shutting down: %.0f s for live streams to finish", self.grace)
-            await core.shutdown(self.grace)
-            self._http_stop.set()
+            if self.failure is None:
+                log.info("shutting down: %.0f s for live streams to finish", self.grace)
+            await core.shutdown(self.grace if self.failure is None else 0.0)  # returns at once if it failed
+            self._http_stop.set()  # hypercorn lets the failed requests write their errors first
+            if followers is not None:
+                if self.failure is None:
+                    await followers.stop()  # every rank exits once the lane core has stopped
+                else:
+                    followers.abandon()
+        if self.failure is not None:
+            raise self.failure
         log.info("stopped")
+
+    async def _guard(self, actor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run an actor; if it fails (the device, or a rank), every waiter has its error and the server stops."""
+        try:
+            await actor(task_status=task_status)
+        except (BackendFailed, PeerLost) as failure:
+            log.error("%s", failure)
+            self.failure = self.failure or failure
+            self._stop.set()
 
 
     async def _warm_tool_system(self) -> None:

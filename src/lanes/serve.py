@@ -9,8 +9,12 @@ from pathlib import Path
 import trio
 
 from .core.lane_core import LaneCore
+from .families.weights import Shard
+from .followers import Followers, FollowersBackend
+from .gpu.ranks import RankSpec, join, leave, startup_barrier
+from .launch import device_of, follower_main, kv_blocks, launched_followers, model_length, rank_spec
 from .core.torch_backend import TorchBackend, text_factory
-from .gpu.blocks import BLOCK_SIZE, blocks_for
+from .gpu.blocks import blocks_for
 from .gpu.device import choose, runner_for
 from .http.service import Service
 from .loader import load_model
@@ -18,10 +22,7 @@ from .models import DEFAULT_MODEL, DEFAULTS, resolve_model
 from .runtime import Runtime, watch_signals
 
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
-NOT_YET = {
-    "rank": "--rank", "master": "--master", "master_port": "--master-port", "vision": "--vision",
-    "vision_urls": "--vision-urls",
-}
+NOT_YET = {"vision": "--vision", "vision_urls": "--vision-urls"}
 
 
 class NotAvailable(Exception):
@@ -60,23 +61,33 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def refuse_unbuilt(args: argparse.Namespace) -> None:
-    if args.tp != 1:
-        raise NotAvailable("--tp above 1 is not available in this version of lanes")
+    if args.tp < 1:
+        raise NotAvailable("--tp must be at least 1")
     for name, flag in NOT_YET.items():
         value = getattr(args, name)
         if value not in (None, False):
             raise NotAvailable(f"{flag} is not available in this version of lanes")
 
 
-def build_service(args: argparse.Namespace) -> Service:
-    """Load the model and put the lane core and the service together (nothing runs yet)."""
-    placement = choose(args.device, args.dtype)
+def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Service:
+    """Load the model (this rank's shard) and put the lane core and the service together (nothing runs yet)."""
+    placement = choose(device_of(args, 0) if spec else args.device, args.dtype)
     path = resolve_model(args.model)
-    # Enough KV for every lane to hold a whole context, if the budget allows.
-    model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
-    max_model_len = min(args.max_model_len, model.config.max_position, model.kv_blocks * BLOCK_SIZE)
+    followers = None
+    if spec is None:
+        # Enough KV for every lane to hold a whole context, if the budget allows.
+        model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
+    else:
+        comm, control = join(spec, placement.device)
+        model = load_model(path, placement, shard=Shard(0, spec.world), comm=comm, kv_blocks=kv_blocks(args))
+        startup_barrier(0)
+        followers = Followers(control, spec.world)
+    max_model_len = model_length(args, model)
+    # Several ranks run the fast decode step uncaptured: graphs would hold NCCL's per-call bookkeeping still.
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
-                           graphs=not args.no_graphs)
+                           graphs=not args.no_graphs, capture=spec is None)
+    if followers is not None:
+        backend = FollowersBackend(backend, followers)
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     shape = backend.shape
     cache_bytes = shape.blocks * shape.bytes_per_block // 2 if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
@@ -96,16 +107,33 @@ def build_service(args: argparse.Namespace) -> Service:
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
-                   body_timeout=args.body_timeout)
+                   body_timeout=args.body_timeout, tp=spec.world if spec else 1, followers=followers)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    service = build_service(args)
+async def serve(args: argparse.Namespace, spec: RankSpec | None = None) -> None:
+    service = build_service(args, spec)
     runtime = Runtime(service, host=args.host, port=args.port, grace=args.shutdown_grace)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch_signals, runtime)
-        await runtime.run()
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_signals, runtime)
+            await runtime.run()
+            nursery.cancel_scope.cancel()
+    finally:
+        if spec is not None:
+            leave()
+
+
+def serve_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """Every shape of `lanes serve`: one rank, rank 0 of several, a follower, or the launcher of them all."""
+    if args.tp > 1 and args.rank is None:
+        with launched_followers(args, argv) as rank0:
+            trio.run(serve, rank0, rank_spec(rank0))
+        return 0
+    spec = rank_spec(args)
+    if spec is not None and spec.rank > 0:
+        return follower_main(args)
+    trio.run(serve, args, spec)
+    return 0
 
 
 def configure_logging(level: str) -> None:

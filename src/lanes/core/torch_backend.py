@@ -24,7 +24,7 @@ class TorchBackend:
     """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
 
     def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, capture: bool = True) -> None:
         self.model = model
         self.decoder = model.decoder
         self.runner = runner
@@ -33,9 +33,8 @@ class TorchBackend:
         self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
                                    bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
-        self.graphs = None
-        if graphs_enabled(model.placement.device, graphs):
-            self.graphs = DecodeGraphs(self.decoder, lanes, length)
+        self.graphs = fast_decode(model, lanes, length, graphs)
+        if self.graphs is not None and capture:
             with torch.cuda.stream(runner.torch_stream):
                 self.graphs.capture()
 
@@ -60,11 +59,7 @@ class TorchBackend:
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
         """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
-        pieces = plan.pieces
-        if self.graphs is not None and plan.prefills == 0 and self.graphs.fits(pieces):
-            logits = self.graphs.run(pieces)  # [R, V]: a captured decode step
-        else:
-            logits = self.decoder.forward(pieces)  # [R, V]: each piece's asked-for rows, in order
+        logits = forward(self.decoder, self.graphs, plan)
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
         offset = 0
@@ -146,6 +141,21 @@ class TorchBackend:
             out.append(TargetLogprobs(tuple(values[at : at + n]), alternatives))
             at += n
         return out
+
+
+def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> DecodeGraphs | None:
+    """The fast decode step's buffers (captured later, or not), where the device has it."""
+    return DecodeGraphs(model.decoder, lanes, length) if graphs_enabled(model.placement.device, wanted) else None
+
+
+def forward(decoder, fast: DecodeGraphs | None, plan: Plan) -> torch.Tensor:
+    """A pass's logits [R, V]: the fast decode step when every piece is one decode row, else the general forward.
+
+    Tensor-parallel followers call this too, so every rank takes the same path with the same collectives."""
+    pieces = plan.pieces
+    if fast is not None and plan.prefills == 0 and fast.fits(pieces):
+        return fast.run(pieces)
+    return decoder.forward(pieces)  # each piece's asked-for rows, in order
 
 
 def text_factory(tokenizer: Tokenizer):

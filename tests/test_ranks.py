@@ -1,0 +1,209 @@
+"""Tensor-parallel ranks on the CPU with gloo: `lanes serve --tp 2` as real processes, explicit ranks and the
+launcher form, against the single-rank server on the same tiny model; and every way the ranks end.
+
+Rules: real processes on 127.0.0.1 port 0; the reference is the single-rank server in this process (its
+books checked when it stops); greedy tokens equal, logprobs within 1e-4 (fp32); every exit awaited under a
+bound (item 4's 30 s); no sleeps: a process's end is its pidfd turning readable or its exit being reaped.
+"""
+
+import json
+import re
+import signal
+
+import httpx
+import pytest
+import trio
+
+import tiny
+from lanes.gpu.device import choose
+from lanes.launch import free_port
+from lanes.loader import load_model
+from rank_helpers import children_of, gone, start
+from server_helpers import serving, torch_service
+
+PROMPTS = ["the cat sat on the mat", "a hat", "on the mat in the hat the cat sat and sat and sat", "0123456789"]
+STATE = "the cat sat on the mat in the hat"
+QUESTIONS = [{"type": "predicate", "instructions": "Is the cat on the mat?", "name": "on_mat"},
+             {"type": "choice", "instructions": "Where is the cat?", "choices": [{"value": "mat"}, {"value": "hat"}]}]
+BOUND = 30  # item 4: every end within 30 s
+
+
+def completion(prompt: str, max_tokens: int = 24, **more) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **more}
+
+
+def decide(model: str) -> dict:
+    return {"model": model, "input": STATE, "questions": QUESTIONS}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-tp")
+    tiny.build("qwen2", folder, labels=True, max_position_embeddings=512)  # qwen2: the q/k/v biases are sharded too
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """The single-rank server's answers to every request the tests make (greedy, with logprobs)."""
+
+    async def answers():
+        model = load_model(folder, choose("cpu", "fp32"), kv_blocks=200, quiet=True)
+        async with serving(torch_service(model, lanes=4, max_model_len=512, decides=True)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                found = {p: (await http.post("/v1/completions", json=completion(p, logprobs=3))).json() for p in PROMPTS}
+                decision = (await http.post("/v1/decisions", json=decide("tiny"))).json()
+        return found, decision
+
+    return trio.run(answers)
+
+
+def assert_same(reply: dict, expected: dict) -> None:
+    """Token for token, and every logprob (chosen and top alternatives) within 1e-4."""
+    assert "choices" in reply and "choices" in expected, (reply, expected)
+    got, want = reply["choices"][0], expected["choices"][0]
+    assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    for top, top_want in zip(got["logprobs"]["top_logprobs"], want["logprobs"]["top_logprobs"], strict=True):
+        assert top.keys() == top_want.keys() and list(top.values()) == pytest.approx(list(top_want.values()), abs=1e-4)
+
+
+async def open_stream(http: httpx.AsyncClient, prompt: str, max_tokens: int):
+    """A streamed completion whose first token has arrived: (response, its line iterator)."""
+    request = http.build_request("POST", "/v1/completions", json=completion(prompt, max_tokens, stream=True))
+    response = await http.send(request, stream=True)
+    assert response.status_code == 200
+    lines = response.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+            return response, lines
+    raise AssertionError("the stream ended before its first token")
+
+
+async def rest_of(lines) -> list[dict]:
+    return [json.loads(line[6:]) for line in [line async for line in lines] if line.startswith("data: {")]
+
+
+async def test_two_explicit_ranks_equal_the_single_rank_server_with_cache_and_decisions(folder, reference):
+    expected, decision = reference
+    port = str(free_port())
+    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port, "--lanes", "4", "--decider"]
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
+            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
+            url = await rank0.until_serving()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                replies = {}
+
+                async def ask(prompt):
+                    replies[prompt] = (await http.post("/v1/completions", json=completion(prompt, logprobs=3))).json()
+
+                async with trio.open_nursery() as clients:  # one batch: prompt passes and decode rows together
+                    for prompt in PROMPTS:
+                        clients.start_soon(ask, prompt)
+                again = (await http.post("/v1/completions", json=completion(PROMPTS[2], logprobs=3))).json()
+                info = (await http.get("/v1/info")).json()
+                decided = (await http.post("/v1/decisions", json=decide(info["model"]))).json()
+                metrics = (await http.get("/metrics")).text
+            rank0.signal(signal.SIGTERM)
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 0, rank0.text
+                assert await rank1.exit_code() == 0, rank1.text
+    for prompt in PROMPTS:
+        assert_same(replies[prompt], expected[prompt])
+    assert_same(again, expected[PROMPTS[2]])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 32  # two whole blocks of the prompt's 49
+    assert "answers" in decided and "answers" in decision, (decided, decision)
+    for got, want in zip(decided["answers"], decision["answers"], strict=True):
+        assert [p["probability"] for p in got.get("probabilities", [got])] == pytest.approx(
+            [p["probability"] for p in want.get("probabilities", [want])], abs=1e-4)
+    assert info["tp"] == 2 and info["followers"]["world"] == 2 and info["followers"]["state"] == "up"
+    assert info["followers"]["plans"] > 0 and info["lanes_busy"] == 0
+    assert "lanes_world_size 2.0" in metrics and "lanes_followers_up 1.0" in metrics
+    assert "stopped by rank 0 after" in rank1.text and "Traceback" not in rank0.text + rank1.text
+
+
+async def test_the_launcher_form_equals_a_single_rank_frees_a_cancelled_lane_and_ends_on_sigterm(folder, reference):
+    expected, _ = reference
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            launcher = await start(nursery, folder, "--tp", "2", "--lanes", "1", name="launcher")
+            url = await launcher.until_serving()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                first = (await http.post("/v1/completions", json=completion(PROMPTS[0], logprobs=3))).json()
+                response, _ = await open_stream(http, PROMPTS[1], 400)
+                await response.aclose()  # the client leaves: its one lane must come free on every rank
+                after = (await http.post("/v1/completions", json=completion(PROMPTS[3], logprobs=3))).json()
+                response, lines = await open_stream(http, PROMPTS[1], 200)
+                launcher.signal(signal.SIGTERM)  # mid-stream: the stream finishes within the grace, then all stop
+                chunks = await rest_of(lines)
+            with trio.fail_after(BOUND):
+                assert await launcher.exit_code() == 0, launcher.text
+    assert_same(first, expected[PROMPTS[0]])
+    assert_same(after, expected[PROMPTS[3]])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert "rank 1 exited with status 0" in launcher.text and "INFO lanes: stopped" in launcher.text
+
+
+async def test_killing_rank_1_mid_stream_fails_the_client_and_rank_0_exits_non_zero(folder):
+    port = str(free_port())
+    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port]
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
+            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
+            url = await rank0.until_serving()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                _, lines = await open_stream(http, PROMPTS[0], 400)
+                rank1.signal(signal.SIGKILL)
+                with trio.fail_after(BOUND):
+                    chunks = await rest_of(lines)
+                    assert await rank0.exit_code() == 1, rank0.text
+    assert chunks[-1] == {"error": {"message": "the model failed and the server is stopping", "type": "server_error",
+                                    "param": None, "code": "model_failed"}}
+    last = rank0.lines[-1]
+    # The loss shows in the plan's broadcast or in the pass's collective, whichever comes first.
+    assert re.fullmatch(r"lanes: error: the model pass failed: PeerLost: rank 0 lost a (follower|peer in a collective): .+", last), last
+    assert "Traceback" not in rank0.text
+
+
+async def test_killing_rank_0_mid_stream_ends_the_follower_non_zero(folder):
+    port = str(free_port())
+    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port]
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
+            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
+            url = await rank0.until_serving()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                _, lines = await open_stream(http, PROMPTS[0], 400)
+                rank0.signal(signal.SIGKILL)
+                with trio.fail_after(BOUND):
+                    with pytest.raises(httpx.RemoteProtocolError):
+                        await rest_of(lines)  # the connection closes mid-body
+                    assert await rank1.exit_code() == 1, rank1.text
+    assert any("rank 1 lost a peer in a collective" in line or "rank 0 is gone" in line for line in rank1.lines), rank1.text
+    assert "Traceback" not in rank1.text
+
+
+async def test_no_rank_outlives_a_killed_launcher(folder):
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            launcher = await start(nursery, folder, "--tp", "2", name="launcher")
+            await launcher.until_serving()
+            followers = children_of(launcher.process.pid)
+            assert len(followers) == 1
+            launcher.signal(signal.SIGKILL)
+            with trio.fail_after(BOUND):
+                await launcher.exit_code()
+                await gone(followers[0])
+
+
+def test_rank_flags_are_checked_before_anything_loads(folder):
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(folder), "--tp", "2", "--rank", "2",
+                              "--master", "127.0.0.1", "--master-port", "1"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip() == "lanes: error: --rank 2 is outside 0..1"
