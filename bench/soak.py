@@ -53,6 +53,14 @@ def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the server did not start:\n{open(log_path).read()[-2000:]}")
 
 
+KINDS = [(0.35, "chat"), (0.60, "stream"), (0.70, "completion"), (0.74, "malformed json"), (0.78, "wrong types"),
+         (0.81, "oversize body"), (0.84, "oversize headers"), (0.94, "decision"), (1.0, "tokenize")]
+
+
+def kind_of(roll: float) -> str:
+    return next(name for bound, name in KINDS if roll < bound)
+
+
 async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Counter) -> None:
     roll = rng.random()
     words = " ".join(rng.choice(["ships", "river", "the", "harbour", "north", "cargo", "frost", "price"]) for _ in range(rng.randint(3, 60)))
@@ -100,8 +108,7 @@ async def client(url: str, seed: int, until: float, tally: Counter) -> None:
             except httpx.HTTPError as error:
                 # An oversize body is refused (413) while it is still being sent: the client sees the close.
                 rng.setstate(state)
-                oversize = 0.78 <= rng.random() < 0.81
-                tally[("oversize body" if oversize else "client error", type(error).__name__)] += 1
+                tally[(kind_of(rng.random()), type(error).__name__)] += 1
 
 
 async def slow_client(url: str, until: float, tally: Counter) -> None:

@@ -184,4 +184,25 @@ async def test_a_client_that_sends_its_body_too_slowly_gets_408_and_the_server_s
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             assert (await http.get("/health")).status_code == 200
             info = (await http.get("/v1/info")).json()
+            metrics = (await http.get("/metrics")).text
     assert info["admission"]["open_requests"] == 0  # the slow request's slot was given back
+    assert 'lanes_requests_total{endpoint="chat",status="408"} 1.0' in metrics  # counted as what it got
+
+
+def test_hypercorns_close_race_is_a_debug_line_and_other_errors_keep_their_traceback():
+    """hypercorn's close of a connection whose client left can meet the app's last write (BusyResourceError):
+    the client never sees it, so it is not logged as an error; any other failure still is."""
+    import logging
+
+    from lanes.runtime import ClientLeftRace
+
+    def record(error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.LogRecord("hypercorn.error", logging.ERROR, "", 0, "Error in ASGI Framework", (), sys.exc_info())
+
+    race = ExceptionGroup("nursery", [ExceptionGroup("inner", [trio.BusyResourceError("another task is sending")])])
+    assert ClientLeftRace().filter(record(race)) is False
+    assert ClientLeftRace().filter(record(ExceptionGroup("nursery", [trio.BusyResourceError(), ValueError()]))) is True
+    assert ClientLeftRace().filter(record(RuntimeError("a bug"))) is True

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: new K/V written to their slots, then ragged rows gathered for SDPA.
 
-Built once a pass (`PagedRows.build`, host-side index math) and used by every layer. A fast GPU kernel
-replaces `paged_attention` later; this gather is exact and runs on every device.
+Built once a pass (`PagedRows.build`, host-side index math) and used by every layer. Decode on CUDA uses
+the Triton kernel of the fast step instead; this gather is exact and runs on every device.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+KEY_ALIGN = 64  # keys padded to a multiple of this: few distinct shapes, and aligned rows for the kernels
+# Not cuDNN's attention on CUDA: it builds a plan for every new shape, and a pass's shape changes every pass.
+CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class PagedRows:
     def build(spans: Sequence[RowSpan], block_size: int, device: torch.device) -> "PagedRows":
         lanes = len(spans)
         max_q = max(s.length for s in spans)
-        max_k = max(s.start + s.length for s in spans)
+        max_k = -(-max(s.start + s.length for s in spans) // KEY_ALIGN) * KEY_ALIGN
         slots, q_index, out_index = [], np.zeros(lanes * max_q, np.int64), []
         k_slots = np.zeros(lanes * max_k, np.int64)
         mask = np.zeros((lanes, 1, max_q, max_k), np.bool_)
@@ -95,6 +100,12 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     qp = q.index_select(0, rows.q_index).view(rows.lanes, rows.max_q, hq, d).transpose(1, 2)
     kp = cache_k.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
     vp = cache_v.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, scale=scale, enable_gqa=hq != hkv)
+    if q.is_cuda:
+        if hq != hkv:  # the efficient kernel takes as many key heads as query heads
+            kp, vp = kp.repeat_interleave(hq // hkv, dim=1), vp.repeat_interleave(hq // hkv, dim=1)
+        with sdpa_kernel(CUDA_BACKENDS):
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rows.mask, scale=scale, enable_gqa=hq != hkv)
     # [B, Hq, Q, D] -> [B*Q, Hq, D] -> the flat rows.
     return out.transpose(1, 2).reshape(rows.lanes * rows.max_q, hq, d).index_select(0, rows.out_index)

@@ -79,6 +79,9 @@ def create_app(service: Service) -> QuartTrio:
         except errors.ApiError as error:
             exchange.finish(error.status)
             return error_response(error)
+        except HTTPException as error:  # a body too large or too slow: answered by the handlers below
+            exchange.finish(error.code or 400)
+            raise
         except BaseException:
             exchange.finish(499)  # the client went away (cancelled) or a bug (logged by the error handler)
             raise
@@ -158,6 +161,9 @@ def create_app(service: Service) -> QuartTrio:
         except errors.ApiError as error:
             exchange.finish(error.status)
             return error_response(error)
+        except HTTPException as error:
+            exchange.finish(error.code or 400)
+            raise
         except BaseException:
             exchange.finish(499)
             raise

@@ -25,6 +25,27 @@ from .http.service import Service
 log = logging.getLogger("lanes")
 
 
+class ClientLeftRace(logging.Filter):
+    """hypercorn closes a connection whose client has gone without taking its send lock, so the app's last
+    write can meet that close: a BusyResourceError no client sees. One debug line, not a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and all(isinstance(leaf, trio.BusyResourceError) for leaf in leaves(error)):
+            log.debug("a client left while its response was being written")
+            return False
+        return True
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
+    return [error]
+
+
+HYPERCORN_ERRORS = logging.getLogger("hypercorn.error")
+
+
 @dataclass(frozen=True)
 class Listening:
     host: str
@@ -58,6 +79,8 @@ class Runtime:
         config.h11_max_incomplete_size = 4 * self.service.max_headers  # a protocol backstop behind the app's 431
         config.read_timeout = 60  # a connection that sends nothing is closed
         config.keep_alive_timeout = 30
+        if not any(isinstance(f, ClientLeftRace) for f in HYPERCORN_ERRORS.filters):
+            HYPERCORN_ERRORS.addFilter(ClientLeftRace())
         followers = self.service.followers
         async with trio.open_nursery() as nursery:
             if followers is not None:

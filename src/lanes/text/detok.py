@@ -28,11 +28,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids)[-PROMPT_WINDOW:]
         self._prefix = 0  # start of the window
         self._read = len(self._ids)  # end of what has been given out
+        self._done: str | None = None  # the window's given-out text, decoded once until the window moves
 
     def push(self, token_id: int) -> str:
         """The text that `token_id` makes final ("" while a character is still incomplete)."""
         self._ids.append(token_id)
-        done = self._decode(self._ids[self._prefix : self._read])
+        done = self._given()
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(done) or text.endswith(REPLACEMENT):
             return ""
@@ -41,12 +42,18 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is left, incomplete characters included (as U+FFFD, as `decode` gives them)."""
-        done = self._decode(self._ids[self._prefix : self._read])
+        done = self._given()
         text = self._decode(self._ids[self._prefix :])
         self._settle()
         return text[len(done) :]
+
+    def _given(self) -> str:
+        if self._done is None:
+            self._done = self._decode(self._ids[self._prefix : self._read])
+        return self._done
 
     def _settle(self) -> None:
         # Everything is given out: the next window starts where this one's new text began.
         self._ids = self._ids[self._read :]
         self._prefix, self._read = 0, len(self._ids)
+        self._done = None
