@@ -71,7 +71,9 @@ def sampling_of(client: StreamClient) -> SamplingParams:
 class InlineRunner:
     """Runs a pass on the event loop itself: instant in virtual time, so autojump never races a thread."""
 
-    async def run(self, fn):
+    async def run(self, fn, started=None):
+        if started is not None:
+            started()
         await trio.lowlevel.checkpoint()
         return fn()
 
@@ -86,11 +88,11 @@ class LosesDevice(BackendWrapper):
         super().__init__(inner)
         self.fail_at, self.passes = fail_at, 0
 
-    async def step(self, plan):
+    async def step(self, plan, started=None):
         self.passes += 1
         if self.passes == self.fail_at:
             raise RuntimeError("a follower rank died")
-        return await self.inner.step(plan)
+        return await self.inner.step(plan, started)
 
 
 _models: dict[int, object] = {}

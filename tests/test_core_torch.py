@@ -148,7 +148,7 @@ async def test_every_entry_of_the_backend_protocol_is_forwarded(wrapper):
     class Inner:
         shape = "the shape"
 
-        async def step(self, plan):
+        async def step(self, plan, started=None):
             calls.append(("step", plan))
             return "result"
 

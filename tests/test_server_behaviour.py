@@ -206,3 +206,17 @@ def test_hypercorns_close_race_is_a_debug_line_and_other_errors_keep_their_trace
     assert ClientLeftRace().filter(record(race)) is False
     assert ClientLeftRace().filter(record(ExceptionGroup("nursery", [trio.BusyResourceError(), ValueError()]))) is True
     assert ClientLeftRace().filter(record(RuntimeError("a bug"))) is True
+
+
+async def test_after_a_refusal_that_leaves_the_body_unread_the_clients_next_request_gets_a_fresh_connection(tmp_path):
+    """413 is sent before the body is read to its end, so the connection must close: a client that reused it
+    would wait for an answer that never comes (the soak found such requests stalled)."""
+    service, _ = fake_service(tmp_path)
+    async with serving(service) as url:
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(base_url=url, timeout=10, limits=httpx.Limits(max_connections=1)) as http:
+                for _ in range(3):
+                    refused = await http.post(CHAT, content=b"x" * (5 << 20), headers={"Content-Type": "application/json"})
+                    assert refused.status_code == 413 and refused.headers["connection"] == "close"
+                    answered = await http.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
+                    assert answered.status_code == 200

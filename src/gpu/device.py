@@ -7,6 +7,8 @@ runs in a worker thread. Either way one pass runs at a time, in submission order
 
 from __future__ import annotations
 
+from functools import partial
+
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -80,14 +82,27 @@ def choose(device: str | None = None, dtype: str | None = None) -> Placement:
     return Placement(target, chosen)
 
 
+def announced(fn: Callable[[], T], started: Callable[[], None] | None) -> Callable[[], T]:
+    """`fn`, which first has `started` called in the event loop (not waited for) from its worker thread."""
+    if started is None:
+        return fn
+    token = trio.lowlevel.current_trio_token()
+
+    def run() -> T:
+        token.run_sync_soon(started)
+        return fn()
+
+    return run
+
+
 class CpuRunner:
     """Runs each pass in a worker thread, one at a time; the thread finishes its pass even if cancelled."""
 
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+    async def run(self, fn: Callable[[], T], started: Callable[[], None] | None = None) -> T:
+        return await trio.to_thread.run_sync(announced(fn, started), limiter=self._limiter)
 
     def close(self) -> None:
         pass
@@ -117,12 +132,13 @@ class CudaRunner:
         event.close()
         return out
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    async def run(self, fn: Callable[[], T], started: Callable[[], None] | None = None) -> T:
         """The pass's result once the GPU has finished it; the event loop keeps running meanwhile.
 
-        Launch and wait share one worker thread: one thread hop a pass instead of two.
+        Launch and wait share one worker thread: one thread hop a pass instead of two. `started` is called
+        in the event loop once the worker has begun the pass.
         """
-        return await trio.to_thread.run_sync(self._launch_and_wait, fn, limiter=self._launcher)
+        return await trio.to_thread.run_sync(announced(partial(self._launch_and_wait, fn), started), limiter=self._launcher)
 
     def close(self) -> None:
         # The stream stays alive: torch's caching allocators record events on it when they free memory

@@ -33,7 +33,13 @@ class ApiError(Exception):
         return json.dumps(self.body())
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        if self.status in UNREAD_BODY:
+            headers["Connection"] = "close"  # what is left of the request is unread: no next request can follow
+        return headers
+
+
+UNREAD_BODY = (408, 413, 431)  # refusals sent before the request has been read to its end
 
 
 def malformed_json() -> ApiError:

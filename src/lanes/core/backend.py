@@ -7,7 +7,7 @@ forwards every entry; the test that walks this protocol's members makes sure non
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from .plan import PassResult, Plan
 from .sampling import SamplingParams
@@ -36,8 +36,10 @@ class Backend(Protocol):
     @property
     def shape(self) -> BackendShape: ...
 
-    async def step(self, plan: Plan) -> PassResult:
-        """Run one pass. Not cancellable midway: the device writes KV into the plan's blocks until it ends."""
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
+        """Run one pass. Not cancellable midway: the device writes KV into the plan's blocks until it ends.
+        `started`, if given, is called in the event loop once the pass is under way (the lane core settles
+        the previous pass meanwhile)."""
         ...
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
@@ -64,8 +66,8 @@ class BackendWrapper:
     def shape(self) -> BackendShape:
         return self.inner.shape
 
-    async def step(self, plan: Plan) -> PassResult:
-        return await self.inner.step(plan)
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
+        return await self.inner.step(plan, started)
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
         self.inner.bind(lane, prompt, sampling)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import trio
 
@@ -57,8 +57,10 @@ class FakeBackend:
     async def aclose(self) -> None:
         self.bound.clear()
 
-    async def step(self, plan: Plan) -> PassResult:
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
         self.plans.append(plan)
+        if started is not None:
+            started()
         if self.fail_at is not None and len(self.plans) == self.fail_at:
             raise RuntimeError("the fake device was lost")
         if self.pass_seconds:

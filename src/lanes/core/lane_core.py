@@ -33,7 +33,8 @@ class LaneCore:
 
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
                  max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
-                 cache_bytes: int = 0, max_decisions: int = 64, decisions_idle_only: bool = False) -> None:
+                 cache_bytes: int = 0, max_decisions: int = 64, decisions_idle_only: bool = False,
+                 run_ahead: bool = True) -> None:
         shape = backend.shape
         self.backend = backend
         self.pool = BlockPool(shape.blocks, shape.block_size)
@@ -42,6 +43,7 @@ class LaneCore:
         self.decider = Decider(self, max_decisions, idle_only=decisions_idle_only)
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
+        self.run_ahead = run_ahead  # plan the next decode pass before applying the last (docs/DECISIONS.md)
         self.max_model_len = shape.max_model_len
         self.lanes: list[Job | None] = [None] * (lanes or shape.lanes)
         self._text = text
@@ -168,32 +170,74 @@ class LaneCore:
             self._wake.set()
 
     async def _pass_loop(self) -> BackendFailed | None:
+        ahead = None  # a pass that ran while the one before it was settled: (plan, its jobs, result)
         while True:
-            self._boundary()
-            if self._closing and not any(self.lanes) and not self._queue and not self._warm:
-                return None
-            jobs = sorted((j for j in self.lanes if j is not None), key=lambda j: j.id)
-            plan = schedule.plan(self._step, jobs, self.limits)
-            if not plan.work:
-                self._wake = trio.Event()
-                await self._wake.wait()
+            if ahead is None:
+                self._boundary()
+                if self._closing and not any(self.lanes) and not self._queue and not self._warm:
+                    return None
+                jobs = sorted((j for j in self.lanes if j is not None), key=lambda j: j.id)
+                plan = schedule.plan(self._step, jobs, self.limits)
+                if not plan.work:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                self._step += 1
+                by_lane = {j.lane: j for j in jobs}
+                try:
+                    result = await self._run(plan)
+                except Exception as error:
+                    return self._failed(error)
+            else:
+                plan, by_lane, result = ahead
+                ahead = None
+            following = schedule.lookahead(self._step, plan, result, by_lane, self._stop_ids) if self._steady() else None
+            if following is None:
+                self._settle(plan, result, by_lane)
                 continue
+            # The next pass runs on the device while this one's results are applied and delivered.
             self._step += 1
-            try:
-                with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
-                    result = await self.backend.step(plan)
-            except Exception as error:
-                failure = BackendFailed(error)
-                failure.__cause__ = error
-                self._fail_all(failure)
-                return failure
-            self._count(plan)
-            events = schedule.apply(plan, result, {j.lane: j for j in jobs}, self._stop_ids)
-            for job in jobs:
-                if job.restore is not None and job.done > job.cached:
-                    self._report_restore(job)  # its first pass over the restored prefix is done
-            for job, event in events:
-                self._deliver(job, event)
+            started, failure = trio.Event(), None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._settle_once_started, started, plan, result, by_lane)
+                try:
+                    next_result = await self._run(following, started.set)
+                except Exception as error:  # kept out of the nursery, which would wrap it in a group
+                    failure = error
+                finally:
+                    started.set()
+            if failure is not None:
+                return self._failed(failure)
+            ahead = following, by_lane, next_result
+
+    async def _run(self, plan, started=None):
+        with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
+            return await self.backend.step(plan, started)
+
+    def _failed(self, error: Exception) -> BackendFailed:
+        failure = BackendFailed(error)
+        failure.__cause__ = error
+        self._fail_all(failure)
+        return failure
+
+    def _steady(self) -> bool:
+        """Only decoding streams and nothing waiting: the next pass can be planned before this one is applied."""
+        return self.run_ahead and not (self._closing or self._queue or self._warm or self.decider.busy
+                                       or any(j is not None and j.phase is Phase.PREFILL for j in self.lanes))
+
+    async def _settle_once_started(self, started: trio.Event, plan, result, by_lane) -> None:
+        await started.wait()
+        self._settle(plan, result, by_lane)
+        self._boundary()  # lanes of ended streams free now; admitted work is planned after the pass ahead
+
+    def _settle(self, plan, result, by_lane) -> None:
+        self._count(plan)
+        events = schedule.apply(plan, result, by_lane, self._stop_ids)
+        for job in by_lane.values():
+            if job.restore is not None and job.done > job.cached:
+                self._report_restore(job)  # its first pass over the restored prefix is done
+        for job, event in events:
+            self._deliver(job, event)
 
     async def _deadline_loop(self) -> None:
         while True:

@@ -57,6 +57,13 @@ class Job:
     read: object = None  # a branch's LabelRead, once its last row has run
     owner: object = None  # the DecisionJob a trunk or branch belongs to
     into_cache: bool = False  # a warm pass whose blocks go to the prompt cache, not to its asker
+    stops: frozenset[int] | None = None  # the tokens that end it, worked out at its first draw
+
+    def stop_tokens(self, stop_ids: frozenset[int]) -> frozenset[int]:
+        if self.stops is None:
+            own = frozenset(self.sampling.stop_token_ids)
+            self.stops = own if self.sampling.ignore_eos else own | stop_ids
+        return self.stops
 
     @property
     def live(self) -> bool:
@@ -95,6 +102,31 @@ def plan(step: int, jobs: Sequence[Job], limits: Limits) -> Plan:
         if job.live and job.phase is Phase.DECODE
     ]
     return Plan(step=step, work=tuple(prefill + decode), prefills=len(prefill))
+
+
+def lookahead(step: int, plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids: Iterable[int]) -> Plan | None:
+    """The pass after `plan`, built from its result before that is applied: each stream's decode row again,
+    one position on, fed the token just drawn. None unless `plan` is only streams' plain decode rows.
+
+    Streams that the drawn token ends (a stop token, the length) get no row. A row whose stream turns out
+    to have ended anyway (a stop string, a cancel) runs void: its KV lands past the stream's end, in blocks
+    nobody reuses before this pass is over, and `apply` gives it no event.
+    """
+    if plan.prefills:
+        return None
+    stop_ids = frozenset(stop_ids)
+    work = []
+    for w, sampled in zip(plan.work, result.sampled, strict=True):
+        job = jobs_by_lane[w.piece.lane]
+        if job.kind != "stream" or sampled is None or w.targets or w.labels or job.sampling.needs_penalties:
+            return None  # penalties would have the device state of a lane touched while it changes hands
+        if job.cancelled or job.outcome is not None:
+            continue
+        if sampled.token in job.stop_tokens(stop_ids) or len(job.generated) + 1 >= job.max_new:
+            continue
+        piece = Piece(job.lane, (sampled.token,), w.piece.end, w.piece.blocks)
+        work.append(Work(piece, sample=RowSampling(job.lane, job.sampling, len(job.generated) + 1)))
+    return Plan(step, tuple(work), 0) if work else None
 
 
 def _prompt_work(job: Job, take: int) -> Work:
@@ -149,8 +181,7 @@ def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int]) -> list[StreamEv
     job.generated.append(token)
     job.pending = token
     top = tuple(TopLogprob(t, lp) for t, lp in sampled.top)
-    stops = set(job.sampling.stop_token_ids) | (set() if job.sampling.ignore_eos else stop_ids)
-    if token in stops:
+    if token in job.stop_tokens(stop_ids):
         # A stop token ends the stream and contributes no text, as OpenAI's servers do.
         return [TokenEvent(token, "", sampled.logprob, top), _finish(job, "stop", job.text.finish())]
     text, stopped = job.text.push(token)

@@ -4,7 +4,7 @@ device, and one host read-back a pass; run through the device's runner so the ev
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,8 +53,8 @@ class TorchBackend:
     async def aclose(self) -> None:
         self.runner.close()
 
-    async def step(self, plan: Plan) -> PassResult:
-        return await self.runner.run(lambda: self.run_pass(plan))
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
+        return await self.runner.run(lambda: self.run_pass(plan), started)
 
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
