@@ -5,7 +5,7 @@
 One query row a lane over its context (Qwen2.5-0.5B's heads: 14 query, 2 KV, head dim 64; bf16), lanes'
 blocks scattered through a pool. Contenders: the eager path (gather the lanes' blocks, then SDPA),
 FlexAttention (compiled) over the same gathered keys with a length mask, and the Triton kernel reading
-block tables directly, at several tile sizes. Checks every output against the eager path, then prints
+block tables directly, at two tile sizes, each with the context in one program a lane and head or split over several. Checks every output against the eager path, then prints
 one table of microseconds a call (device time: calls captured in a CUDA graph, replays timed with events).
 """
 
@@ -87,11 +87,12 @@ def main() -> None:
         except Exception as error:  # reported, not fatal: the table says what could not run
             print(f"FlexAttention failed at {lanes}x{context}: {type(error).__name__}: {error}")
         del kp, vp
-        for tile in (16, 32, 64):
-            out = kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile).float()
+        for tile, splits in ((32, 1), (64, 1), (32, None), (64, None)):
+            out = kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile, splits=splits).float()
             error = ((out - reference).norm() / reference.norm()).item()
             assert error < 1e-2, error
-            results[f"Triton paged, tile {tile}"] = timed(lambda: kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile))
+            name = f"Triton tile {tile}, " + ("no split" if splits == 1 else f"{kernels.context_splits(lanes, HKV, context, tile)} splits")
+            results[name] = timed(lambda: kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile, splits=splits))
         rows.append((lanes, context, results))
     names = list(dict.fromkeys(name for _, _, r in rows for name in r))
     print(f"\npaged decode attention, bf16, {HQ} query / {HKV} KV heads, head dim {D}, {torch.cuda.get_device_name()} (us a call)")

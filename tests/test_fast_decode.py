@@ -67,6 +67,7 @@ def test_fast_decode_step_equals_the_eager_forward(kind, overrides, tmp_path):
 @pytest.mark.parametrize("dtype, captured", [("fp32", True), ("bf16", True), ("fp32", False)])
 def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     """Captured (one rank) or launched uncaptured on the pieces' exact rows (what tensor-parallel ranks run)."""
+    from lanes.core.sampling import greedy_draw
     from lanes.gpu.graphs import DecodeGraphs
 
     if captured and DEVICE != "cuda":
@@ -82,7 +83,10 @@ def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     for step in range(8):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
         eager = model.decoder.decode(pieces).float()
-        replayed = graphs.run(pieces).float().clone()
+        replayed, drawn = graphs.run(pieces)
+        if captured:  # the draw inside the graph is the one the sampler would make from these logits
+            assert torch.equal(drawn.clone(), greedy_draw(replayed))
+        replayed = replayed.float().clone()
         if dtype == "fp32":
             torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-4)
         else:

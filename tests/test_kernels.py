@@ -35,8 +35,10 @@ def close(mine: torch.Tensor, ref: torch.Tensor, dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lanes, hq, hkv, d, lengths", [
     (1, 14, 2, 64, [1]), (3, 4, 4, 32, [5, 16, 17]), (5, 8, 1, 64, [70, 3, 129, 64, 1]), (2, 6, 2, 80, [33, 200]),
+    (1, 14, 2, 64, [1000]),
 ])
-def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hkv, d, lengths):
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hkv, d, lengths, splits):
     g = torch.Generator().manual_seed(lanes * 100 + d)
     blocks = 64
     cache_k = torch.randn(blocks * 16, hkv, d, generator=g).to(DEVICE, dtype)
@@ -52,7 +54,7 @@ def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hk
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = torch.randn(lanes, hq, d, generator=g).to(DEVICE, dtype)
-    mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, lens, d**-0.5, 16)
+    mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, lens, d**-0.5, 16, tile=16, splits=splits)
     rows = PagedRows.build(spans, 16, torch.device(DEVICE))
     ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), rows, d**-0.5)
     close(mine, ref, dtype)

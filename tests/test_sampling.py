@@ -27,6 +27,8 @@ from lanes.core.sampling import (
     PenaltyState,
     RowSampling,
     SamplingParams,
+    greedy_draw,
+    plain_greedy,
     prompt_logprobs,
     process,
     read_back,
@@ -136,6 +138,25 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
     expected = [logits[0].argmax().item(), logits[1].argmax().item(), penalised.argmax().item()]
     assert sampled.tokens.tolist() == expected
     assert expected[2] != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_greedy_draw_is_bit_for_bit_what_sample_draws_for_plain_greedy_rows(dtype):
+    rows = [RowSampling(i, SamplingParams(temperature=0.0, logprobs=i % 2 == 0), i) for i in range(5)]
+    rows.append(RowSampling(5, SamplingParams(temperature=0.9, top_k=1, seed=3), 0))  # top_k 1 is greedy too
+    assert plain_greedy(rows)
+    logits = random_logits(6, seed=11).to(dtype)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: both take the first index
+    drawn, sampled = greedy_draw(logits), sample(logits, rows)
+    assert drawn.dtype == torch.float64 and drawn.shape == (2, 6)
+    assert drawn[0].long().tolist() == sampled.tokens.tolist() and sampled.tokens[1].item() == 7
+    assert torch.equal(drawn[1].float(), sampled.logprobs)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.0, top_logprobs=2, logprobs=True),
+                                    SamplingParams(temperature=0.0, presence_penalty=0.5)])
+def test_rows_that_sample_report_alternatives_or_use_penalties_are_not_plain(params):
+    assert not plain_greedy([RowSampling(0, SamplingParams(temperature=0.0), 0), RowSampling(1, params, 0)])
 
 
 def test_the_hash_is_splitmix64():

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.passes import Piece
+from ..core.sampling import greedy_draw
 from ..progress import Progress
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -38,7 +39,7 @@ class DecodeGraphs:
         self._host_np = self._host.numpy()
         self._device = torch.zeros_like(self._host, device=decoder.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [size, V], greedy draws [2, size]
 
     def _views(self, size: int):
         n, d = self.max_lanes, self._device
@@ -72,11 +73,12 @@ class DecodeGraphs:
                 inputs = self._views(size)
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile the kernels and settle the allocator before capture
-                        self.decoder.decode_step(*inputs)
+                        greedy_draw(self.decoder.decode_step(*inputs))
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._outputs[size] = self.decoder.decode_step(*inputs)
+                    logits = self.decoder.decode_step(*inputs)
+                    self._outputs[size] = logits, greedy_draw(logits)  # the draw costs two small kernels a pass
                 self._graphs[size] = graph
                 progress.advance()
         torch.cuda.current_stream().wait_stream(stream)
@@ -85,20 +87,24 @@ class DecodeGraphs:
         return 0 < len(pieces) <= self.max_lanes and all(
             len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces)
 
-    def run(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """Replay the smallest bucket holding `pieces` (decode rows); returns logits [len(pieces), vocab].
+    def run(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the smallest bucket holding `pieces` (decode rows): logits [len(pieces), vocab] and every
+        row's greedy draw [2, len(pieces)] (`sampling.greedy_draw`), computed inside the graph.
 
         Not captured (tensor-parallel ranks: their collectives stay outside graphs), the same step runs
-        eagerly on exactly the pieces' rows, so its collectives have the shapes `Decoder.forward`'s would."""
+        eagerly on exactly the pieces' rows, so its collectives have the shapes `Decoder.forward`'s would,
+        and the draw is None (the caller draws)."""
+        n = len(pieces)
         if not self._graphs:
-            self._fill(pieces, len(pieces))
+            self._fill(pieces, n)
             self._device.copy_(self._host)
-            return self.decoder.decode_step(*self._views(len(pieces)))
-        size = next(b for b in sorted(self.buckets) if b >= len(pieces))
+            return self.decoder.decode_step(*self._views(n)), None
+        size = next(b for b in self.buckets if b >= n)
         self._fill(pieces, size)
         self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream
         self._graphs[size].replay()
-        return self._outputs[size][: len(pieces)]
+        logits, drawn = self._outputs[size]
+        return logits[:n], drawn[:, :n]
 
 
 class _Null:

@@ -34,8 +34,9 @@ def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scal
         scores = tl.dot(q, tl.trans(k)) * scale
     scores = tl.where(valid[None, :], scores, float("-inf"))
     tile_best = tl.maximum(best, tl.max(scores, axis=1))
-    rescale = tl.exp(best - tile_best)
-    weights = tl.exp(scores - tile_best[:, None])
+    safe = tl.where(tile_best == float("-inf"), 0.0, tile_best)  # a tile past the length keeps exp() away from -inf - -inf
+    rescale = tl.exp(best - safe)
+    weights = tl.exp(scores - safe[:, None])
     total = total * rescale + tl.sum(weights, axis=1)
     if IEEE:
         probs = weights.to(v.dtype).to(tl.float32)  # rounded as the bf16 path rounds them
@@ -46,13 +47,14 @@ def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scal
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_ptr, tables_ptr, lens_ptr, scale,
                          q_stride_b, q_stride_h, kv_stride_s, kv_stride_h, out_stride_b, out_stride_h, tables_stride,
                          MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
                          LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr):
     lane = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)  # this program's share of the context: tiles split, split + SPLITS, ...
     rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
     dims = tl.arange(0, BLOCK_D)
     row_ok = rows < GROUP
@@ -67,41 +69,93 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, sca
     # On a GPU the loop stops at the lane's length (read on the device, so a captured graph stays right);
     # Triton's interpreter cannot bound a loop by a loaded value, so there it runs to the table's end.
     if LOOP_TO_LENGTH:
-        for start in range(0, length, TILE):
+        for start in range(split * TILE, length, SPLITS * TILE):
             best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
                                             acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
                                             IEEE)
     else:
-        for start in range(0, MAX_TOKENS, TILE):
+        for start in range(split * TILE, MAX_TOKENS, SPLITS * TILE):
             best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
                                             acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
                                             IEEE)
-    out = acc / total[:, None]
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:  # the partial softmax of this split, for _combine_splits_kernel; splits past the length leave best -inf
+        part = (lane * tl.num_programs(1) + kv_head) * SPLITS + split
+        tl.store(part_acc_ptr + part * GROUP_PAD * BLOCK_D + rows[:, None] * BLOCK_D + dims[None, :], acc)
+        tl.store(part_stats_ptr + part * 2 * GROUP_PAD + rows, best)
+        tl.store(part_stats_ptr + part * 2 * GROUP_PAD + GROUP_PAD + rows, total)
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc_ptr, part_stats_ptr, out_ptr, out_stride_b, out_stride_h,
+                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    lane = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    splits = tl.arange(0, SPLITS_PAD)
+    first = (lane * tl.num_programs(1) + kv_head) * SPLITS
+    stats = part_stats_ptr + (first + splits)[:, None] * 2 * GROUP_PAD + rows[None, :]  # [SPLITS_PAD, GROUP_PAD]
+    bests = tl.load(stats, mask=(splits < SPLITS)[:, None], other=float("-inf"))
+    totals = tl.load(stats + GROUP_PAD, mask=(splits < SPLITS)[:, None], other=0.0)
+    best = tl.max(bests, axis=0)  # [GROUP_PAD]: finite, split 0 always holds the first tile
+    total = tl.sum(totals * tl.exp(bests - best[None, :]), axis=0)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for split in tl.static_range(SPLITS):  # unrolled: the loads are independent and issue back to back
+        part = first + split
+        weight = tl.exp(tl.load(part_stats_ptr + part * 2 * GROUP_PAD + rows) - best)
+        acc += tl.load(part_acc_ptr + part * GROUP_PAD * BLOCK_D + rows[:, None] * BLOCK_D + dims[None, :]) * weight[:, None]
+    q_heads = kv_head * GROUP + rows
     tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+SPLIT_TARGET = 256  # programs to aim for: about two a multiprocessor on an H100 or H200 (132 of them)
+MAX_SPLITS = 16  # the combine reads every split's partial: more would cost it more than they save
+
+
+def context_splits(lanes: int, kv_heads: int, max_tokens: int, tile: int) -> int:
+    """How many programs share one lane's context: enough to fill the GPU when lanes are few, never more
+    than the longest context has tiles. Depends only on shapes, so a captured graph keeps it."""
+    tiles = max(1, -(-max_tokens // tile))
+    return max(1, min(tiles, -(-SPLIT_TARGET // (lanes * kv_heads)), MAX_SPLITS))
 
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None,
-                           tile: int = 64) -> torch.Tensor:
+                           tile: int = 64, splits: int | None = None) -> torch.Tensor:
     """One query row a lane over its whole context, read through its block table.
 
     q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
-    lens: [B] int32 context lengths (the new row included) -> [B, Hq, D].
+    lens: [B] int32 context lengths (the new row included) -> [B, Hq, D]. With few lanes the context is
+    split over several programs (`context_splits`) whose partial softmaxes a second kernel combines.
     """
     lanes, hq, d = q.shape
     hkv = cache_k.shape[1]
     group = hq // hkv
     out = torch.empty(lanes, hq, d, device=q.device, dtype=q.dtype) if out is None else out
-    _paged_decode_kernel[(lanes, hkv)](
-        q, cache_k, cache_v, out, tables, lens, scale,
+    tile = max(block_size, tile, 16)
+    max_tokens = tables.shape[1] * block_size
+    splits = context_splits(lanes, hkv, max_tokens, tile) if splits is None else splits
+    group_pad, block_d = max(triton.next_power_of_2(group), 16), max(triton.next_power_of_2(d), 16)  # tensor-core tiles are at least 16 rows
+    parts = lanes * hkv * splits if splits > 1 else 0
+    part_acc = torch.empty(parts, group_pad, block_d, device=q.device, dtype=torch.float32)
+    part_stats = torch.empty(parts, 2, group_pad, device=q.device, dtype=torch.float32)
+    _paged_decode_kernel[(lanes, hkv, splits)](
+        q, cache_k, cache_v, out, part_acc, part_stats, tables, lens, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         # float32 caches get exact float32 products; so does the interpreter, which has no bf16 matmul.
-        MAX_TOKENS=tables.shape[1] * block_size, LOOP_TO_LENGTH=not INTERPRETED,
-        IEEE=cache_k.dtype == torch.float32 or INTERPRETED,
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16),  # tensor-core tiles are at least 16 rows
-        HEAD_DIM=d, BLOCK_D=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size, TILE=max(block_size, tile, 16),
+        MAX_TOKENS=max_tokens, LOOP_TO_LENGTH=not INTERPRETED, IEEE=cache_k.dtype == torch.float32 or INTERPRETED,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
     )
+    if splits > 1:
+        _combine_splits_kernel[(lanes, hkv)](part_acc, part_stats, out, out.stride(0), out.stride(1),
+                                             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits,
+                                             SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
 

@@ -286,6 +286,21 @@ def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState 
     return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
+def plain_greedy(rows: Sequence[RowSampling]) -> bool:
+    """Rows whose draw is the argmax of the raw logits and that report at most its logprob: `greedy_draw`
+    gives exactly what `sample` would, so it can run inside a captured graph."""
+    return all(r.params.greedy and not r.params.needs_penalties and r.params.top_logprobs == 0 for r in rows)
+
+
+def greedy_draw(logits: Tensor) -> Tensor:
+    """logits: [R, V] any float dtype -> [2, R] float64: each row's argmax and its logprob, computed with
+    the same ops as `sample` (so bit for bit the same), packed for one read-back (ids are exact in float64)."""
+    raw = logits.float()  # [R, V] float32
+    tokens = raw.argmax(dim=-1)  # [R] int64
+    chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [R] float32
+    return torch.stack([tokens.double(), chosen.double()])
+
+
 def stream_key(row: RowSampling) -> int:
     """The row's splitmix64 state, from its seed and step, as a signed int64."""
     if row.params.seed is None:

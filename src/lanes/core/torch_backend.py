@@ -15,7 +15,7 @@ from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
 from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
 from ..gpu.transfer import to_host
-from .sampling import PenaltyState, RowSampling, SamplingParams, on_host, prompt_logprobs, sample
+from .sampling import PenaltyState, RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
 from .sampling import Sampled as SampledTensors
 from .stops import TextAssembler
 
@@ -59,7 +59,10 @@ class TorchBackend:
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
         """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
-        logits = forward(self.decoder, self.graphs, plan)
+        logits, greedy = forward(self.decoder, self.graphs, plan)
+        if all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and \
+                plain_greedy([w.sample for w in plan.work]):
+            return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
         offset = 0
@@ -98,6 +101,13 @@ class TorchBackend:
             sampled.append(Sampled(drawn_host.tokens[i], drawn_host.logprobs[i] if wants else None, tuple(drawn_host.top[i])))
             i += 1
         return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
+
+    @staticmethod
+    def _greedy_result(plan: Plan, drawn: torch.Tensor) -> PassResult:
+        """A pass whose every row is plain greedy, from its draws [2, R] float64: one small read-back."""
+        tokens, logprobs = drawn.cpu().tolist()  # the pass's one host sync
+        sampled = tuple(Sampled(int(t), lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
+        return PassResult(sampled, (None,) * len(plan.work))
 
     @staticmethod
     def _label_reads(logits, read_rows, labels, device) -> list[torch.Tensor]:
@@ -148,14 +158,16 @@ def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> De
     return DecodeGraphs(model.decoder, lanes, length) if graphs_enabled(model.placement.device, wanted) else None
 
 
-def forward(decoder, fast: DecodeGraphs | None, plan: Plan) -> torch.Tensor:
-    """A pass's logits [R, V]: the fast decode step when every piece is one decode row, else the general forward.
+def forward(decoder, fast: DecodeGraphs | None, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A pass's logits [R, V] (each piece's asked-for rows, in order) and, where a captured graph computed
+    them, every row's greedy draw [2, R]: the fast decode step when every piece is one decode row, else
+    the general forward.
 
     Tensor-parallel followers call this too, so every rank takes the same path with the same collectives."""
     pieces = plan.pieces
     if fast is not None and plan.prefills == 0 and fast.fits(pieces):
         return fast.run(pieces)
-    return decoder.forward(pieces)  # each piece's asked-for rows, in order
+    return decoder.forward(pieces), None
 
 
 def text_factory(tokenizer: Tokenizer):
