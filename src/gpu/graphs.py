@@ -46,7 +46,7 @@ class DecodeGraphs:
         tables = d[4 * n :].view(n, self.width)
         return d[0:size], d[n : n + size], d[2 * n : 2 * n + size], d[3 * n : 3 * n + size], tables[:size]
 
-    def _fill(self, pieces: Sequence[Piece], size: int) -> None:
+    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None) -> None:
         n, host, bs = self.max_lanes, self._host_np, self.block_size
         scratch = self.decoder.kv.scratch_block
         tables = host[4 * n :].reshape(n, self.width)
@@ -58,7 +58,7 @@ class DecodeGraphs:
         for row, piece in enumerate(pieces):
             position = piece.start
             host[row] = piece.tokens[0]
-            host[n + row] = position
+            host[n + row] = position + (offsets[row] if offsets is not None else 0)  # M-RoPE streams rotate past their grids
             host[2 * n + row] = piece.blocks[position // bs] * bs + position % bs
             host[3 * n + row] = position + 1
             tables[row, : len(piece.blocks)] = piece.blocks
@@ -87,20 +87,20 @@ class DecodeGraphs:
         return 0 < len(pieces) <= self.max_lanes and all(
             len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces)
 
-    def run(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, pieces: Sequence[Piece], offsets: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the smallest bucket holding `pieces` (decode rows): logits [len(pieces), vocab] and every
         row's greedy draw [2, len(pieces)] (`sampling.greedy_draw`), computed inside the graph.
 
         Not captured (tensor-parallel ranks: their collectives stay outside graphs), the same step runs
         eagerly on exactly the pieces' rows, so its collectives have the shapes `Decoder.forward`'s would,
-        and the draw is None (the caller draws)."""
+        and the draw is None (the caller draws). `offsets`: each row's rotary position over its index (M-RoPE)."""
         n = len(pieces)
         if not self._graphs:
-            self._fill(pieces, n)
+            self._fill(pieces, n, offsets)
             self._device.copy_(self._host)
             return self.decoder.decode_step(*self._views(n)), None
         size = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, size)
+        self._fill(pieces, size, offsets)
         self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream
         self._graphs[size].replay()
         logits, drawn = self._outputs[size]

@@ -27,7 +27,11 @@ from .gpu.device import Placement
 from .gpu.kv import KVCache, KVShape
 
 if TYPE_CHECKING:
+    from .families.qwen2_vl import VisionTokens
+    from .families.vision_tower import VisionTower
     from .text.tokenizer import Tokenizer
+
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 GGUF_MAGIC = b"GGUF"
 
@@ -95,6 +99,8 @@ class LoadedModel:
     decoder: Decoder
     placement: Placement
     shard: Shard
+    vision: "VisionTower | None" = None  # the vision tower, when asked for and the family has one
+    vision_tokens: "VisionTokens | None" = None  # the placeholders a vision family's prompts use
 
     @property
     def kv_blocks(self) -> int:
@@ -119,8 +125,10 @@ def load_model(
     kv_blocks: int | None = None,
     kv_max_blocks: int | None = None,
     quiet: bool = False,
+    vision: bool = False,
 ) -> LoadedModel:
-    """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache."""
+    """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache;
+    with `vision`, also the vision tower of a family that has one (CheckpointError for one that has none)."""
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     tokenizer = checkpoint.tokenizer()
@@ -140,4 +148,28 @@ def load_model(
             kv_blocks = min(kv_blocks, kv_max_blocks)
     kv = KVCache(kv_shape, kv_blocks, device=placement.device, dtype=placement.dtype)
     decoder = Decoder(config, weights, kv, comm or Solo(), shard)
-    return LoadedModel(checkpoint, config, tokenizer, decoder, placement, shard)
+    model = LoadedModel(checkpoint, config, tokenizer, decoder, placement, shard)
+    if config.family in VISION_FAMILIES:
+        from .families.qwen2_vl import vision_tokens
+
+        model.vision_tokens = vision_tokens(checkpoint.raw_config, config.family)
+    if vision:
+        model.vision = load_vision_tower(checkpoint, placement, stream)
+    return model
+
+
+def load_vision_tower(checkpoint: Checkpoint, placement: Placement, stream) -> "VisionTower":
+    """The checkpoint's vision tower on the device (in the model's dtype), with a progress bar."""
+    from .families.vision_tower import VisionTower, vision_tensor_count
+    from .families.vision_tower_config import vision_config
+
+    if checkpoint.config.family not in VISION_FAMILIES:
+        raise CheckpointError(checkpoint.path, f"the {checkpoint.config.family} family takes no images or videos "
+                                               f"(vision families: {', '.join(VISION_FAMILIES)})")
+    try:
+        config = vision_config(checkpoint.raw_config, checkpoint.config.family)
+    except ConfigFault as error:
+        raise CheckpointError(checkpoint.path, str(error)) from None
+    with Progress("loading the vision tower", vision_tensor_count(config), stream=stream, unit="tensors") as progress:
+        return VisionTower.load(config, checkpoint.source, checkpoint.path, device=placement.device,
+                                dtype=placement.dtype, progress=progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
+from .media import PromptMedia
 from .plan import PassResult, Plan
 from .sampling import SamplingParams
 
@@ -42,8 +43,8 @@ class Backend(Protocol):
         the previous pass meanwhile)."""
         ...
 
-    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        """A stream takes `lane`: reset the lane's per-stream device state for this prompt."""
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence[PromptMedia] = ()) -> None:
+        """A stream takes `lane`: reset the lane's per-stream device state for this prompt and its images."""
         ...
 
     def unbind(self, lane: int) -> None:
@@ -69,8 +70,8 @@ class BackendWrapper:
     async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
         return await self.inner.step(plan, started)
 
-    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        self.inner.bind(lane, prompt, sampling)
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence[PromptMedia] = ()) -> None:
+        self.inner.bind(lane, prompt, sampling, media)
 
     def unbind(self, lane: int) -> None:
         self.inner.unbind(lane)

@@ -45,7 +45,7 @@ class FakeBackend:
     def shape(self) -> BackendShape:
         return BackendShape(self.lanes, self.blocks, self.block_size, self.vocab, self.max_model_len)
 
-    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence = ()) -> None:
         if lane in self.bound:
             raise AssertionError(f"lane {lane} bound twice")
         self.bound[lane] = tuple(prompt)

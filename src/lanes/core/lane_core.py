@@ -20,6 +20,7 @@ from .books import CoreStats, IntegrityError  # noqa: F401  (re-exported)
 from .backend import Backend
 from .commands import Adopt, Cancel, CancelDecision, Decide, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
 from .decider import Decider, DecisionRequest, DecisionResult
+from .media import check_media
 from .sampling import InvalidParameter, SamplingParams
 from .prompt_cache import Match, PromptCache
 from .schedule import Job, Limits, Phase
@@ -359,7 +360,7 @@ class LaneCore:
             if self.cache is not None and job.kind == "stream" and not job.kept and job.done >= len(job.prompt):
                 job.kept = True
                 full = len(job.prompt) // self.pool.block_size
-                self.cache.keep(job.prompt[: full * self.pool.block_size], job.table.blocks[:full])
+                self.cache.keep(job.key[: full * self.pool.block_size], job.table.blocks[:full])
             channel = self._channels.get(job.id)
             if channel is not None and channel.statistics().open_receive_channels == 0 and job.outcome is None:
                 job.cancelled = True  # the consumer closed its end
@@ -417,7 +418,7 @@ class LaneCore:
         to a fresh prefill); at least one prompt row is left to run."""
         if self.cache is None or job.sampling.prompt_logprobs:
             return Match(None, 0, ())
-        match = self.cache.lookup(job.prompt[:-1])
+        match = self.cache.lookup(job.key[:-1])
         if match.node is None:
             return match
         self.cache.pin(match.node)
@@ -439,7 +440,7 @@ class LaneCore:
         job.table = BlockTable(("lane", lane))
         self.lanes[lane] = job
         if job.kind == "stream":
-            self.backend.bind(lane, job.prompt, job.sampling)
+            self.backend.bind(lane, job.prompt, job.sampling, job.media)
         return job.table
 
     def _unbind(self, lane: int, job: Job) -> None:
@@ -467,7 +468,7 @@ class LaneCore:
             reply.fail(WarmCancelled())
             return
         full = job.done // self.pool.block_size
-        tokens, blocks = tuple(job.prompt[: full * self.pool.block_size]), tuple(job.table.blocks[:full])
+        tokens, blocks = tuple(job.key[: full * self.pool.block_size]), tuple(job.table.blocks[:full])
         if job.into_cache:
             kept = self.cache is not None and self.cache.keep(tokens, blocks)
             reply.set(WarmResult(tokens, blocks, None, kept=kept))
@@ -504,7 +505,8 @@ class LaneCore:
         limit = len(prompt) + (sampling.max_tokens or room - len(prompt))
         if limit > room:
             raise PromptTooLong(limit, room)
-        job = Job(self._take_id(), "stream", prompt, sampling, limit, deadline=request.deadline)
+        check_media(len(prompt), request.media)
+        job = Job(self._take_id(), "stream", prompt, sampling, limit, deadline=request.deadline, media=tuple(request.media))
         job.text = self._text(prompt, sampling)
         return job
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
 from ..gpu.blocks import BlockTable
+from .media import cache_key
 from .passes import Piece
 from .plan import PassResult, Plan, Sampled, Work
 from .sampling import RowSampling, SamplingParams
@@ -58,6 +59,11 @@ class Job:
     owner: object = None  # the DecisionJob a trunk or branch belongs to
     into_cache: bool = False  # a warm pass whose blocks go to the prompt cache, not to its asker
     stops: frozenset[int] | None = None  # the tokens that end it, worked out at its first draw
+    media: tuple = ()  # PromptMedia in the prompt, handed to the backend when the job takes a lane
+    key: tuple = ()  # the prompt as the prompt cache keys it: its tokens, media rows by their digests
+
+    def __post_init__(self) -> None:
+        self.key = cache_key(self.prompt, self.media)
 
     def stop_tokens(self, stop_ids: frozenset[int]) -> frozenset[int]:
         if self.stops is None:

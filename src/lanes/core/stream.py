@@ -61,6 +61,7 @@ class Request:
     prompt: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     deadline: float = float("inf")
+    media: tuple = ()  # PromptMedia: images and videos whose placeholder rows are in the prompt
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..gpu.transfer import to_host
 from .sampling import PenaltyState, RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
 from .sampling import Sampled as SampledTensors
 from .stops import TextAssembler
+from .vision_lanes import VisionLanes
 
 
 class TorchBackend:
@@ -34,6 +35,8 @@ class TorchBackend:
                                    bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
         self.graphs = fast_decode(model, lanes, length, graphs)
+        tower = model.vision
+        self.vision = VisionLanes(tower, tower.config.merge_size, model.placement.device) if tower is not None else None
         if self.graphs is not None and capture:
             with torch.cuda.stream(runner.torch_stream):
                 self.graphs.capture()
@@ -42,13 +45,19 @@ class TorchBackend:
     def shape(self) -> BackendShape:
         return self._shape
 
-    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams) -> None:
+    def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence = ()) -> None:
         if sampling.needs_penalties:
             self.penalties.bind(lane, prompt)
+        if media:
+            if self.vision is None:
+                raise ValueError("this model has no vision tower loaded")  # the server refuses such requests before
+            self.vision.bind(lane, len(prompt), media)
 
     def unbind(self, lane: int) -> None:
         if self.penalties.is_bound(lane):
             self.penalties.unbind(lane)
+        if self.vision is not None:
+            self.vision.unbind(lane)
 
     async def aclose(self) -> None:
         self.runner.close()
@@ -59,7 +68,7 @@ class TorchBackend:
     @torch.inference_mode()
     def run_pass(self, plan: Plan) -> PassResult:
         """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
-        logits, greedy = forward(self.decoder, self.graphs, plan)
+        logits, greedy = forward(self.decoder, self.graphs, plan, self.vision)
         if all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and \
                 plain_greedy([w.sample for w in plan.work]):
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
@@ -158,7 +167,7 @@ def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> De
     return DecodeGraphs(model.decoder, lanes, length) if graphs_enabled(model.placement.device, wanted) else None
 
 
-def forward(decoder, fast: DecodeGraphs | None, plan: Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A pass's logits [R, V] (each piece's asked-for rows, in order) and, where a captured graph computed
     them, every row's greedy draw [2, R]: the fast decode step when every piece is one decode row, else
     the general forward.
@@ -166,8 +175,8 @@ def forward(decoder, fast: DecodeGraphs | None, plan: Plan) -> tuple[torch.Tenso
     Tensor-parallel followers call this too, so every rank takes the same path with the same collectives."""
     pieces = plan.pieces
     if fast is not None and plan.prefills == 0 and fast.fits(pieces):
-        return fast.run(pieces)
-    return decoder.forward(pieces), None
+        return fast.run(pieces, vision.offsets(pieces) if vision is not None else None)
+    return decoder.forward(pieces, vision.pass_media(pieces) if vision is not None else None), None
 
 
 def text_factory(tokenizer: Tokenizer):

@@ -42,6 +42,7 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen2-VL): rotary pairs driven by the t, h and w positions
 
 
 ROPE_KINDS = {"default", "linear", "llama3", "yarn", "freq_factors"}
@@ -61,6 +62,8 @@ def rope_from_hf(config: Mapping[str, Any]) -> RopeConfig:
     theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if kind == "mrope":  # Qwen2-VL's hub configs: default frequencies, positions split by mrope_section
+        kind = "default"
     if kind not in ROPE_KINDS:
         raise ConfigFault(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(sorted(ROPE_KINDS))})")
     return RopeConfig(theta=float(theta), kind=kind, params=tuple(sorted(params.items())))

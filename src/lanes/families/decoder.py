@@ -18,6 +18,7 @@ from ..gpu.attention import PagedRows, RowSpan, paged_attention, write_kv
 from ..gpu.collective import Collective
 from ..gpu.kv import KVCache
 from .config import ModelConfig
+from .mrope import mrope_cos_sin
 from .rope import apply_rotary, cos_sin, inverse_frequencies
 from .weights import DecoderWeights, LayerWeights, Shard
 
@@ -32,10 +33,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+class PassMedia:
+    """What a pass with image or video rows adds: M-RoPE positions [3, T] for all its rows, and the
+    embeddings [K, hidden] that replace the token embeddings of rows `rows` [K] (the vision tower's)."""
+
+    def __init__(self, positions: np.ndarray, rows: np.ndarray, embeds: torch.Tensor) -> None:
+        self.positions, self.rows, self.embeds = positions, rows, embeds
+
+
 class PassInputs:
     """A pass's host-built inputs, on the device: token ids, positions, attention indices, logit rows."""
 
-    def __init__(self, pieces: Sequence[Piece], block_size: int, device: torch.device) -> None:
+    def __init__(self, pieces: Sequence[Piece], block_size: int, device: torch.device, media: PassMedia | None = None) -> None:
         tokens = np.fromiter((t for p in pieces for t in p.tokens), np.int64)
         positions = np.concatenate([np.arange(p.start, p.end, dtype=np.int64) for p in pieces])
         rows, offset = [], 0
@@ -52,6 +61,11 @@ class PassInputs:
         self.logit_rows = torch.from_numpy(picked.astype(np.int64)).to(device, non_blocking=True)  # [R]
         spans = [RowSpan(p.start, len(p.tokens), p.blocks) for p in pieces]
         self.paged = PagedRows.build(spans, block_size, device)
+        self.media_positions = self.media_rows = self.media_embeds = None
+        if media is not None:
+            self.media_positions = torch.from_numpy(media.positions).to(device, non_blocking=True)  # [3, T]
+            self.media_rows = torch.from_numpy(media.rows).to(device, non_blocking=True)  # [K]
+            self.media_embeds = media.embeds  # [K, hidden], on the device
 
 
 class Decoder:
@@ -85,9 +99,9 @@ class Decoder:
         return self.forward(pieces)
 
     @torch.inference_mode()
-    def forward(self, pieces: Sequence[Piece]) -> torch.Tensor:
+    def forward(self, pieces: Sequence[Piece], media: PassMedia | None = None) -> torch.Tensor:
         """Run one pass; returns logits [R, vocab] in the model dtype for the pieces' logit rows, in order."""
-        inputs = PassInputs(pieces, self.kv.shape.block_size, self.device)
+        inputs = PassInputs(pieces, self.kv.shape.block_size, self.device, media)
         return self.forward_inputs(inputs)
 
     @torch.inference_mode()
@@ -99,7 +113,11 @@ class Decoder:
 
     def forward_inputs(self, inputs: PassInputs) -> torch.Tensor:
         x = self.embed(inputs.tokens)  # [T, hidden]
-        cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)
+        if inputs.media_positions is None:
+            cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)
+        else:
+            cos, sin = mrope_cos_sin(self.inv_freq, self.rope_scale, inputs.media_positions, self.config.mrope_section, self.dtype)
+            x = x.index_copy(0, inputs.media_rows, inputs.media_embeds.to(x.dtype))
         for index, layer in enumerate(self.weights.layers):
             x = x + self.attention(index, layer, rms_norm(x, layer.input_norm, self.config.rms_eps), cos, sin, inputs.paged)
             x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_eps))

@@ -48,4 +48,4 @@ def family_for(config: Mapping[str, Any]) -> Family:
 
 
 def _load_builtin() -> None:
-    from . import llama, qwen2, qwen3  # noqa: F401  (each registers itself on import)
+    from . import llama, qwen2, qwen2_vl, qwen3  # noqa: F401  (each registers itself on import)

@@ -1,0 +1,1 @@
+"""Image and video inputs: decoding and Qwen-style preprocessing."""
