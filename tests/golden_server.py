@@ -6,6 +6,8 @@ committing: the answers are the server's frozen words).
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import sys
 from contextlib import asynccontextmanager
@@ -13,21 +15,55 @@ from pathlib import Path
 
 import httpx
 import trio
+from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine_helpers import Gated  # noqa: E402
 from lanes.core.fake import EOS, fake_text  # noqa: E402
 from lanes.core.lane_core import LaneCore  # noqa: E402
+from lanes.families.qwen2_vl import VisionTokens  # noqa: E402
+from lanes.http.media_fetch import MediaFetcher  # noqa: E402
 from lanes.http.service import Service  # noqa: E402
+from lanes.http.vision_inputs import VisionInputs  # noqa: E402
 from lanes.text.tokenizer import Tokenizer  # noqa: E402
 from server_helpers import serving  # noqa: E402
-from tiny import write_tokenizer  # noqa: E402
+from tiny import CHATML, write_tokenizer  # noqa: E402
+from tiny_vl import QWEN2_VL_TEMPLATE  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "errors.json"
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello"}]
 MAX_BODY = 64 << 10
+ASK = [{"type": "predicate", "instructions": "Is it?"}]
+NESTED = json.loads("[" * 200 + "]" * 200)  # parses, but past the server's bound on nesting
+PAD = 260  # the vision setup's image placeholder id (inside the tiny vocabulary)
+
+
+def image_data_url(data: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def picture(fmt: str) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (28, 28), (200, 40, 90)).save(out, format=fmt)
+    return out.getvalue()
+
+
+def with_image(url: str, kind: str = "image_url") -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                      {"type": kind, kind: {"url": url}}]}], "max_tokens": 2}
+
+
+def decision_image(url: str, role: str = "user") -> dict:
+    return {"model": "tiny", "questions": ASK, "input": [{"role": role, "content": [
+        {"type": "input_text", "text": "what is this?"}, {"type": "input_image", "image_url": url}]}]}
+
+
+def asset_state(key: str, data: str, fmt: str = "png", state: str = "see the photo") -> dict:
+    return {"state": state, "questions": {"q": {"type": "noul", "instructions": "Is it?"}},
+            "assets": {key: {"type": "image", "format": fmt, "data_base64": data}}}
+
 
 # name -> (server setup, method, path, body: raw string or JSON value, headers)
 CASES = {
@@ -64,18 +100,62 @@ CASES = {
     "headers-over-the-limit": ("plain", "POST", CHAT, {"messages": HELLO}, {"X-Padding": "x" * 20000}),
     "too-many-open-requests": ("open-full", "POST", CHAT, {"messages": HELLO, "max_tokens": 2}, {}),
     "shutting-down": ("shutting-down", "POST", CHAT, {"messages": HELLO, "max_tokens": 2}, {}),
+    "body-nested-too-deeply": ("plain", "POST", CHAT, "[" * 30000 + "]" * 30000, {}),
+    "body-nested-past-the-limit": ("plain", "POST", "/v1/completions", {"prompt": "hi", "user": NESTED}, {}),
+    "content-not-unicode": ("plain", "POST", CHAT, '{"messages": [{"role": "user", "content": "\\ud800"}]}', {}),
+    "prompt-not-unicode": ("plain", "POST", "/v1/completions", '{"prompt": ["fine", "x\\udc00"]}', {}),
+    "key-not-unicode": ("plain", "POST", "/v1/tokenize", '{"prompt": "hi", "x\\ud800": 1}', {}),
+    "decision-input-not-unicode": ("decider", "POST", "/v1/decisions",
+                                   '{"model": "tiny", "input": "\\ud800", "questions": ' + json.dumps(ASK) + "}", {}),
+    "systemone-state-not-unicode": ("decider", "POST", "/v1/systemone",
+                                    '{"state": {"note": "\\udfff"}, "questions": {"q": {"type": "noul", "instructions": "?"}}}', {}),
+    "decision-past-the-context": ("decider", "POST", "/v1/decisions", {"model": "tiny", "input": "word " * 100,
+                                                                       "questions": ASK}, {}),
+    "systemone-past-the-context": ("decider", "POST", "/v1/systemone", {"state": "word " * 100, "questions": {
+        "q": {"type": "noul", "instructions": "Is it?"}}}, {}),
+    "image-data-url-not-base64": ("vision", "POST", CHAT, with_image("data:image/png;base64,@@@@"), {}),
+    "image-url-without-vision-urls": ("vision", "POST", CHAT, with_image("https://example.com/cat.png"), {}),
+    "image-url-not-https": ("vision", "POST", CHAT, with_image("http://example.com/cat.png"), {}),
+    "image-not-an-image": ("vision", "POST", CHAT, with_image(image_data_url(b"certainly not a picture")), {}),
+    "image-truncated": ("vision", "POST", CHAT, with_image(image_data_url(picture("PNG")[:60])), {}),
+    "image-gif": ("vision", "POST", CHAT, with_image(image_data_url(picture("GIF"), "image/png")), {}),
+    "image-data-url-wrong-type": ("vision", "POST", CHAT, with_image(image_data_url(picture("PNG"), "text/plain")), {}),
+    "video-not-a-video": ("vision", "POST", CHAT, with_image(image_data_url(b"no frames here", "video/mp4"), "video_url"), {}),
+    "image-url-plain-http": ("vision-urls", "POST", CHAT, with_image("http://example.com/cat.png"), {}),
+    "image-url-loopback": ("vision-urls", "POST", CHAT, with_image("https://127.0.0.1/cat.png"), {}),
+    "image-url-metadata-address": ("vision-urls", "POST", CHAT, with_image("https://169.254.169.254/latest"), {}),
+    "audio-part": ("vision", "POST", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, {}),
+    "images-placeholders-mismatch": ("vision", "POST", "/v1/completions", {
+        "prompt": [5, PAD, 6, PAD, 7], "images": [image_data_url(picture("PNG"))], "max_tokens": 2}, {}),
+    "images-without-vision": ("plain", "POST", "/v1/completions", {"prompt": "hi", "images": ["data:image/png;base64,AA=="]}, {}),
+    "decision-image-without-vision": ("decider", "POST", "/v1/decisions", decision_image("data:image/png;base64,AA=="), {}),
+    "systemone-asset-without-vision": ("decider", "POST", "/v1/systemone", asset_state("photo", "AA=="), {}),
+    "decision-image-in-a-system-message": ("vision-decider", "POST", "/v1/decisions",
+                                           decision_image(image_data_url(picture("PNG")), "system"), {}),
+    "decision-image-not-an-image": ("vision-decider", "POST", "/v1/decisions",
+                                    decision_image(image_data_url(b"certainly not a picture")), {}),
+    "systemone-asset-not-in-state": ("vision-decider", "POST", "/v1/systemone", asset_state("drawing", "AA=="), {}),
+    "systemone-asset-wrong-format": ("vision-decider", "POST", "/v1/systemone", asset_state("photo", "AA==", "gif"), {}),
+    "systemone-asset-not-base64": ("vision-decider", "POST", "/v1/systemone", asset_state("photo", "@@@@"), {}),
+    "systemone-asset-not-an-image": ("vision-decider", "POST", "/v1/systemone",
+                                     asset_state("photo", base64.b64encode(b"certainly not a picture").decode()), {}),
 }
 
 
-def tokenizer(folder: Path) -> Tokenizer:
-    vocab = write_tokenizer(folder)
+def tokenizer(folder: Path, labels: bool = False, template: str = CHATML) -> Tokenizer:
+    vocab = write_tokenizer(folder, chat_template=template, labels=labels)
     return Tokenizer.from_folder(folder, vocab)
 
 
 def fake_service(folder: Path, **options) -> tuple[Service, Gated]:
-    backend = Gated(lanes=options.pop("lanes", 2), blocks=64, max_model_len=64)
-    core = LaneCore(backend, fake_text, [EOS], max_queue=options.pop("max_queue", 8))
-    return Service(core, tokenizer(folder), "tiny", "fake", 64, max_body=MAX_BODY, **options), backend
+    """A fake backend's server; `labels` gives its tokenizer single-token decision labels."""
+    length = options.pop("max_model_len", 64)
+    backend = Gated(lanes=options.pop("lanes", 2), blocks=options.pop("blocks", 64), max_model_len=length)
+    core = LaneCore(backend, fake_text, [EOS], max_queue=options.pop("max_queue", 8),
+                    max_rows=options.pop("max_rows", 256), max_decisions=options.pop("max_decisions", 64))
+    text = tokenizer(folder, options.pop("labels", False), options.pop("template", CHATML))
+    return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, **options), backend
 
 
 async def send(http: httpx.AsyncClient, method: str, path: str, body, headers: dict) -> httpx.Response:
@@ -94,6 +174,17 @@ async def setup(kind: str, folder: Path):
         service, backend = fake_service(folder, lanes=1, max_queue=0)
     elif kind == "open-full":
         service, backend = fake_service(folder, max_open=1)
+    elif kind == "decider":
+        service, backend = fake_service(folder, decides=True, labels=True)
+    elif kind in ("vision", "vision-urls"):
+        tokens = VisionTokens(image=PAD, video=PAD + 1, start=PAD + 2, end=PAD + 3, tokens_per_second=None)
+        fetcher = MediaFetcher(allow_urls=kind == "vision-urls")
+        service, backend = fake_service(folder, vision=True, vision_inputs=VisionInputs(fetcher, tokens),
+                                        template=QWEN2_VL_TEMPLATE)
+    elif kind == "vision-decider":
+        tokens = VisionTokens(image=PAD, video=PAD + 1, start=PAD + 2, end=PAD + 3, tokens_per_second=None)
+        service, backend = fake_service(folder, vision=True, vision_inputs=VisionInputs(MediaFetcher(), tokens),
+                                        template=QWEN2_VL_TEMPLATE, decides=True, labels=True, max_model_len=512)
     else:
         service, backend = fake_service(folder)
     async with serving(service, grace=30) as url:

@@ -1,10 +1,12 @@
-"""A live server in the test's own nursery: the runtime on 127.0.0.1 port 0, torn down and checked after."""
+"""A live server in the test's own nursery: the runtime on 127.0.0.1 port 0, torn down and checked after,
+and ways to wait on its state without sleeping."""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
 import trio
+import trio.testing
 
 from lanes.core.lane_core import LaneCore
 from lanes.core.torch_backend import TorchBackend, text_factory
@@ -42,3 +44,16 @@ def client(url: str, **options):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{url}/v1", api_key=options.pop("api_key", "none"), max_retries=0, **options)
+
+
+async def until(condition) -> None:
+    """Return at a point where every task is blocked and `condition()` holds (the test's fail_after bounds it)."""
+    await trio.testing.wait_all_tasks_blocked()
+    while not condition():
+        await trio.testing.wait_all_tasks_blocked()
+
+
+def counted(service: Service, endpoint: str, status: int) -> float:
+    """Requests to `endpoint` answered (or ended) with `status`, as /metrics counts them."""
+    value = service.metrics.registry.get_sample_value("lanes_requests_total", {"endpoint": endpoint, "status": str(status)})
+    return value or 0.0

@@ -1,6 +1,6 @@
 """The lane core with its prompt cache: admission restores the longest cached prefix, a prompt's full
-blocks are kept after its prompt pass, a failed restore falls back to a fresh prefill, and restored
-streams give exactly the tokens fresh ones give.
+blocks are kept after its prompt pass, a failed restore falls back to a fresh prefill, restored
+streams give exactly the tokens fresh ones give, and hits and misses count each request once.
 
 Rules: exact plans and tokens on the fake backend (its tokens depend on the KV it reads, so a wrong
 restore shows); greedy equality on a tiny torch model; failures injected by monkeypatching the lane core's
@@ -111,3 +111,18 @@ async def test_restored_prefixes_give_the_tokens_of_a_fresh_prefill_on_a_torch_m
     assert [o.tokens for o in cached] == [o.tokens for o in fresh]
     expected = [0, 0, 0, 0] if restore_fails else [0, 64, 64, 64]
     assert [o.last.cached_tokens for o in cached] == expected
+
+
+async def test_hits_misses_and_hit_tokens_count_each_request_once_even_when_it_waits_for_blocks():
+    backend = FakeBackend(lanes=2, blocks=8)
+    shared = tuple(range(100, 140))  # two full blocks and 8 tokens
+    async with running(backend, max_rows=64, cache_bytes=8) as core:
+        await collect(await core.submit(Request(shared, greedy(2, ignore_eos=True))))  # a miss; its 2 blocks kept
+        long = await core.submit(Request((3, 4, 5), greedy(80, ignore_eos=True)))  # a miss; its 6 blocks leave none
+        await long.events.receive()
+        again = await core.submit(Request(shared, greedy(8, ignore_eos=True)))  # a free lane, but no block for it
+        assert (await collect(long)).last.reason == "length"
+        outcome = await collect(again)
+        stats = core.cache.statistics()
+    assert outcome.last.cached_tokens == 32
+    assert (stats.hits, stats.misses, stats.hit_tokens) == (1, 2, 32)

@@ -1,18 +1,20 @@
 """Decisions in the lane core on the fake backend: a trunk prefilled once and branches batched beside live
-streams, streams first, deadlines, cancellation, a full queue and shutdown.
+streams, streams first, deadlines, cancellation, a full queue and shutdown, queued and in flight; a trunk
+kept in the prompt cache and restored by the next decision over the same input.
 
 Rules: exact plans and label reads (the fake's reads depend on the whole context it is given, so a wrong
 trunk or block shows); passes held inside the backend with events, never sleeps; `MockClock` where time
-passes; every core's integrity and balanced pool checked on exit (the `running` helper).
+passes; every ending also with the prompt cache on, with a restore's pin held while the decision ends, and
+then no lane, block, pin or dead entry left; every core's integrity and balanced pool checked on exit.
 """
 
 import pytest
 import trio
 
 from engine_helpers import Gated, collect, greedy, lanes_of, prompt, running, solo
-from lanes.core.decider import DecisionRequest, DecisionTimeout
+from lanes.core.decider import DecisionCancelled, DecisionRequest, DecisionTimeout
 from lanes.core.fake import FakeBackend
-from lanes.core.stream import QueueFull, Request, ShuttingDown
+from lanes.core.stream import EngineError, QueueFull, Request, ShuttingDown
 
 TRUNK = tuple(range(60, 60 + 40))  # two full blocks and 8 tokens in common
 LABELS = ((5, 6), (7, 8, 9), (10, 11))
@@ -21,6 +23,28 @@ LABELS = ((5, 6), (7, 8, 9), (10, 11))
 def branches(n: int = 3) -> DecisionRequest:
     prompts = tuple(TRUNK + (20 + i, 21 + i, 3) for i in range(n))
     return DecisionRequest(prompts, LABELS[:n])
+
+
+CACHES = {"no-cache": 0, "cache": 64}  # in the fake's bytes, one a block: room for every chain here
+
+
+def only_decision(core):
+    """The one decision the decider holds, queued or under way."""
+    (decision,) = list(core.decider.queue) + list(core.decider.running.values())
+    return decision
+
+
+def assert_nothing_left(core, cached_blocks: int) -> None:
+    """No lane, block, pin or decision left; only the prompt cache's own chains hold blocks."""
+    assert core.lanes == [None] * len(core.lanes) and not core.backend.bound
+    assert not core.decider.queue and not core.decider.running
+    assert core.pool.free == core.pool.total - cached_blocks
+    assert all(owner[0] == "cache" for owner in core.pool.owners())
+    if core.cache is not None:
+        stats = core.cache.statistics()
+        assert (stats.entries, stats.pinned, stats.dead) == (cached_blocks, 0, 0)
+        core.cache.check_integrity()
+    core.check_integrity()
 
 
 async def test_trunk_once_then_branches_batched_equal_independent_reads():
@@ -71,9 +95,10 @@ async def test_live_streams_produce_their_solo_tokens_while_decisions_run_beside
         assert outcome.tokens == (await solo(request, max_rows=16)).tokens
 
 
-async def test_deadlines_for_queued_and_running_decisions(autojump_clock):
+@pytest.mark.parametrize("cache", sorted(CACHES))
+async def test_deadlines_for_queued_and_running_decisions(cache, autojump_clock):
     backend = FakeBackend(lanes=1, blocks=64, pass_seconds=1.0)
-    async with running(backend, max_rows=8) as core:
+    async with running(backend, max_rows=8, cache_bytes=CACHES[cache]) as core:
         busy = await core.submit(Request(prompt(3), greedy(10, ignore_eos=True)))
         now = trio.current_time()
         with pytest.raises(DecisionTimeout, match="the decision did not finish before its deadline"):
@@ -86,11 +111,13 @@ async def test_deadlines_for_queued_and_running_decisions(autojump_clock):
         assert core.statistics().lanes_busy <= 1
         result = await core.decide(branches())  # the engine is whole afterwards
         assert len(result.reads) == 3
+        assert_nothing_left(core, 2 if cache == "cache" else 0)  # only the last trunk finished, and was kept
 
 
-async def test_a_cancelled_asker_cancels_its_decision_and_frees_its_lanes():
+@pytest.mark.parametrize("cache", sorted(CACHES))
+async def test_a_cancelled_asker_cancels_its_decision_and_frees_its_lanes(cache):
     backend = Gated(lanes=3, blocks=64)
-    async with running(backend, max_rows=64) as core:
+    async with running(backend, max_rows=64, cache_bytes=CACHES[cache]) as core:
         entered, release = backend.hold()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(core.decide, branches())
@@ -100,13 +127,15 @@ async def test_a_cancelled_asker_cancels_its_decision_and_frees_its_lanes():
         after = await collect(await core.submit(Request(prompt(3), greedy(2, ignore_eos=True))))
         assert after.last.reason == "length"
         assert core.decider.counts["failed"] == 1 and not core.decider.running
+        assert_nothing_left(core, 0)  # a cancelled trunk is not kept
     assert all(len(p.work) <= 2 for p in backend.plans[1:])  # no branch ever ran
 
 
-async def test_a_full_decision_queue_refuses_at_once_and_shutdown_fails_the_rest():
+@pytest.mark.parametrize("cache", sorted(CACHES))
+async def test_a_full_decision_queue_refuses_at_once_and_shutdown_fails_the_rest(cache):
     backend = Gated(lanes=1, blocks=64)
     outcomes = []
-    async with running(backend, max_rows=64, max_decisions=1) as core:
+    async with running(backend, max_rows=64, max_decisions=1, cache_bytes=CACHES[cache]) as core:
         entered, release = backend.hold()
         busy = await core.submit(Request(prompt(3), greedy(50, ignore_eos=True)))
         await entered.wait()
@@ -127,3 +156,95 @@ async def test_a_full_decision_queue_refuses_at_once_and_shutdown_fails_the_rest
             release.set()
         await collect(busy)
     assert outcomes == ["shutting down"]
+    assert_nothing_left(core, 0)
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+async def test_cancelling_a_queued_decision_answers_it_cancelled_and_leaves_nothing(cache):
+    backend = Gated(lanes=1, blocks=64)
+    async with running(backend, max_rows=64, cache_bytes=CACHES[cache]) as core:
+        entered, release = backend.hold()
+        busy = await core.submit(Request(prompt(3), greedy(2, ignore_eos=True)))
+        await entered.wait()  # the only lane is busy: the decision waits in the queue
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(core.decide, branches())
+            await trio.testing.wait_all_tasks_blocked()
+            decision = only_decision(core)
+            assert decision in core.decider.queue
+            nursery.cancel_scope.cancel()  # the asker goes away
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(decision.reply.error, DecisionCancelled)
+        assert core.decider.counts == dict(asked=1, answered=0, failed=1)
+        release.set()
+        await collect(busy)
+        assert_nothing_left(core, 0)
+    assert not any(TRUNK[0] in w.piece.tokens for p in backend.plans for w in p.work)  # it never ran
+
+
+ENDINGS = {"deadline": DecisionTimeout, "cancel": DecisionCancelled, "shutdown": ShuttingDown}
+
+
+@pytest.mark.parametrize("stage", ["trunk", "branches"])
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+@pytest.mark.parametrize("cache", sorted(CACHES))
+async def test_a_decision_ended_in_flight_frees_every_lane_block_and_pin(cache, ending, stage, mock_clock):
+    backend = Gated(lanes=4, blocks=64)
+    async with running(backend, max_rows=64, cache_bytes=CACHES[cache]) as core:
+        first = await core.decide(branches())  # with the cache, this keeps the trunk for the next one
+        request = DecisionRequest(branches().prompts, LABELS, deadline=trio.current_time() + 5)
+        entered, release = backend.hold()
+        seen = []
+
+        async def ask():
+            try:
+                await core.decide(request)
+            except EngineError as error:
+                seen.append(type(error))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            await entered.wait()  # the trunk's pass (a restore of its first block, with the cache) is inside
+            if stage == "branches":
+                entered, release_branches = backend.hold()
+                release.set()
+                await entered.wait()  # the three branches' pass is inside
+                release = release_branches
+            decision = only_decision(core)
+            assert decision.id in core.decider.running
+            pins = core.cache.statistics().pinned if core.cache else 0
+            assert pins == (1 if cache == "cache" and stage == "trunk" else 0)  # the restore's pin is real
+            if ending == "deadline":
+                mock_clock.jump(5)
+            elif ending == "shutdown":
+                core.begin_shutdown(0)
+            else:
+                nursery.cancel_scope.cancel()  # the asker goes away
+        await trio.testing.wait_all_tasks_blocked()
+        assert isinstance(decision.reply.error, ENDINGS[ending])
+        assert seen == ([] if ending == "cancel" else [ENDINGS[ending]])  # answered while its pass still runs
+        release.set()
+        if ending != "shutdown":
+            after = await collect(await core.submit(Request(prompt(3), greedy(2, ignore_eos=True))))
+            assert after.last.reason == "length"  # the held pass is settled: its lanes are free
+            assert_nothing_left(core, 2 if cache == "cache" else 0)
+            assert (await core.decide(branches())).reads == first.reads  # and the engine is whole
+    if ending == "shutdown":
+        assert_nothing_left(core, 0)  # a stopped core clears its cache: no pin was left to keep a chain dead
+    answered = 1 if ending == "shutdown" else 2
+    assert core.decider.counts == dict(asked=answered + 1, answered=answered, failed=1)
+
+
+async def test_a_trunk_kept_in_the_cache_is_restored_by_a_later_decision_over_the_same_input():
+    backend = FakeBackend(lanes=4, blocks=64)
+    async with running(backend, max_rows=64, cache_bytes=64) as core:
+        first = await core.decide(branches())
+        kept = core.cache.statistics()
+        second = await core.decide(branches())
+        stats = core.cache.statistics()
+        assert_nothing_left(core, 2)
+    assert (kept.entries, kept.hits, kept.misses) == (2, 0, 1)  # the trunk's two full blocks
+    assert (first.cached_tokens, second.cached_tokens) == (0, 16)  # a trunk still runs its last row
+    assert (stats.hits, stats.hit_tokens) == (1, 16)
+    assert second.reads == first.reads and second.input_tokens == first.input_tokens
+    trunk_passes = [lanes_of(p) for p in backend.plans if len(p.work) == 1]
+    assert trunk_passes == [[(0, 0, 32)], [(0, 16, 16)]]  # the second trunk computes only its second block

@@ -74,6 +74,42 @@ async def test_cancel_while_decoding_by_closing_the_stream():
     assert after and all(lanes_in(p) == {0} for p in after)
 
 
+@pytest.mark.parametrize("run_ahead", [False, True])
+async def test_a_cancel_during_the_final_pass_gives_one_terminal_event_and_frees_everything(run_ahead):
+    backend = Gated(lanes=2, blocks=64)
+    request = Request(prompt(5), greedy(3, ignore_eos=True))  # three passes: the prompt and two decode rows
+    expected = (await solo(request)).tokens
+    async with running(backend, run_ahead=run_ahead) as core:
+        entered, release = backend.hold()
+        stream = await core.submit(request)
+        for _ in range(2):  # hold each pass in turn until the third, which draws the last token, is inside
+            await entered.wait()
+            entered, release_next = backend.hold()
+            release.set()
+            release = release_next
+        await entered.wait()
+        assert len(backend.plans) == 2  # a held pass is recorded once it is let through
+        core.cancel(stream.id)
+        await trio.testing.wait_all_tasks_blocked()  # the inbox has marked it cancelled, mid-pass
+        release.set()
+        outcome = await collect(stream)
+        final = backend.plans[2]
+        assert lanes_of(final) == [(0, 6, 1)] and final.work[0].sample.step == 2  # it drew the third token
+        # Gated withholds `started`, so with run-ahead the second pass is applied only after the cancel
+        kept = 1 if run_ahead else 2
+        assert outcome.tokens == expected[:kept]
+        assert [e for e in outcome.events if isinstance(e, (Finished, Failed))] == [outcome.last]
+        assert outcome.last == Finished("cancelled", prompt_tokens=5, completion_tokens=kept)
+        assert core.lanes == [None, None] and core.pool.free == core.pool.total and not backend.bound
+        stats = core.statistics()
+        assert (stats.streams_cancelled, stats.streams_finished, stats.lanes_busy) == (1, 0, 0)
+        core.check_integrity()
+        core.cancel(stream.id)  # after its end: nothing more happens
+        after = await collect(await core.submit(Request(prompt(4, first=3), greedy(2, ignore_eos=True))))
+        assert after.last.reason == "length"
+    assert len(backend.plans) == 3 + 2  # the cancelled stream's three passes, then the next stream's two
+
+
 async def test_a_consumer_that_only_closes_its_channel_is_noticed_at_the_boundary():
     backend = Gated(lanes=1, blocks=64)
     async with running(backend) as core:

@@ -13,7 +13,7 @@ import trio
 
 import tiny
 from engine_helpers import collect, running
-from lanes.core.backend import BACKEND_ENTRIES, Backend, BackendWrapper
+from lanes.core.backend import Backend, BackendWrapper
 from lanes.followers import Followers, FollowersBackend
 from lanes.core.metered import MeteredBackend
 from lanes.core.sampling import SamplingParams
@@ -131,7 +131,7 @@ def wrappers() -> list[type]:
     import lanes.core.metered  # noqa: F401
     import lanes.followers  # noqa: F401
 
-    found, todo = [], [BackendWrapper]
+    found, todo = [BackendWrapper], [BackendWrapper]
     while todo:
         for sub in todo.pop().__subclasses__():
             found.append(sub)
@@ -139,36 +139,88 @@ def wrappers() -> list[type]:
     return found
 
 
+def protocol_members() -> dict[str, object]:
+    """Every public member of the `Backend` protocol (and of protocols it extends), by name."""
+    members = {}
+    for cls in reversed(Backend.__mro__):
+        if cls.__module__ not in ("builtins", "typing"):
+            members.update({name: value for name, value in vars(cls).items() if not name.startswith("_")})
+    return members
+
+
+class Token:
+    """A unique stand-in for an argument or a result, named for the failure message."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def recording_backend(calls: list) -> object:
+    """A backend built from the protocol itself: each entry records its arguments (bound to the protocol's
+    signature, defaults applied) and returns a Token of its own, or None where the protocol returns None."""
+    namespace = {}
+    for name, member in protocol_members().items():
+        if isinstance(member, property):
+            namespace[name] = property(lambda self, name=name: calls.append((name, {})) or RESULTS[name])
+            continue
+        signature = inspect.signature(member)
+
+        def arguments(args, kwargs, signature=signature):
+            bound = signature.bind(None, *args, **kwargs)
+            bound.apply_defaults()
+            return dict(list(bound.arguments.items())[1:])  # without self
+
+        if inspect.iscoroutinefunction(member):
+            async def entry(self, *args, name=name, arguments=arguments, **kwargs):
+                calls.append((name, arguments(args, kwargs)))
+                return RESULTS[name]
+        else:
+            def entry(self, *args, name=name, arguments=arguments, **kwargs):
+                calls.append((name, arguments(args, kwargs)))
+                return RESULTS[name]
+        namespace[name] = entry
+    return type("Recording", (), namespace)()
+
+
+def returns_none(member) -> bool:
+    return inspect.signature(member).return_annotation in (None, "None")  # postponed annotations are strings
+
+
+RESULTS = {name: None if not isinstance(m, property) and returns_none(m) else Token(f"{name} result")
+           for name, m in protocol_members().items()}
+
+
+def test_the_protocol_walk_finds_every_entry_and_every_wrapper():
+    assert set(protocol_members()) >= {"shape", "step", "bind", "unbind", "aclose"}
+    names = {w.__name__ for w in wrappers()}
+    assert names >= {"BackendWrapper", "MeteredBackend", "FollowersBackend", "LosesDevice"}
+
+
 @pytest.mark.parametrize("wrapper", wrappers(), ids=lambda w: w.__name__)
 async def test_every_entry_of_the_backend_protocol_is_forwarded(wrapper):
-    members = {name for name in dir(Backend) if not name.startswith("_")}
-    assert members == set(BACKEND_ENTRIES)
-    calls = []
-
-    class Inner:
-        shape = "the shape"
-
-        async def step(self, plan, started=None):
-            calls.append(("step", plan))
-            return "result"
-
-        def bind(self, lane, prompt, sampling):
-            calls.append(("bind", lane, prompt, sampling))
-
-        def unbind(self, lane):
-            calls.append(("unbind", lane))
-
-        async def aclose(self):
-            calls.append(("aclose",))
-
-    sent = []
-    outer = wrapper(Inner(), Followers(Sent(sent), 2)) if wrapper is FollowersBackend else wrapper(Inner())
-    assert outer.shape == "the shape"
-    assert await outer.step("plan") == "result"
-    outer.bind(3, (1, 2), "params")
-    outer.unbind(3)
-    await outer.aclose()
-    assert calls == [("step", "plan"), ("bind", 3, (1, 2), "params"), ("unbind", 3), ("aclose",)]
-    assert sent == (["plan"] if wrapper is FollowersBackend else [])  # the followers hear of the pass first
-    for name in BACKEND_ENTRIES:
-        assert inspect.iscoroutinefunction(getattr(Backend, name, None)) == inspect.iscoroutinefunction(getattr(wrapper, name, None))
+    calls, sent, given = [], [], {}
+    inner = recording_backend(calls)
+    outer = wrapper(inner, Followers(Sent(sent), 2)) if wrapper is FollowersBackend else wrapper(inner)
+    for name, member in protocol_members().items():
+        calls.clear()
+        if isinstance(member, property):
+            assert getattr(outer, name) is RESULTS[name], name
+            assert calls == [(name, {})]
+            continue
+        assert callable(getattr(wrapper, name, None)), f"{wrapper.__name__} has no {name}"
+        params = list(inspect.signature(member).parameters.values())[1:]
+        args = {p.name: Token(f"{name}.{p.name}") for p in params}
+        mine = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(wrapper, name)).parameters.values()][1:]
+        assert mine == [(p.name, p.kind, p.default) for p in params], f"{wrapper.__name__}.{name} has another signature"
+        assert inspect.iscoroutinefunction(getattr(wrapper, name)) == inspect.iscoroutinefunction(member), name
+        result = getattr(outer, name)(*args.values())  # positionally, as the lane core calls
+        if inspect.iscoroutinefunction(member):
+            result = await result
+        assert result is RESULTS[name], f"{wrapper.__name__}.{name} did not return the inner result"
+        assert calls == [(name, args)], f"{wrapper.__name__}.{name} forwarded {calls}"
+        given[name] = args
+    # the followers hear of the pass before it runs; no other wrapper sends anything
+    assert sent == ([given["step"]["plan"]] if wrapper is FollowersBackend else [])

@@ -24,3 +24,5 @@ async def test_every_refusal_matches_its_frozen_answer(tmp_path):
     assert frozen["queue-full"]["status"] == 429 and frozen["queue-full"]["retry_after"] == "1"
     assert frozen["decisions-without-decider"]["status"] == 404
     assert frozen["shutting-down"]["status"] == 503
+    context = [frozen[name]["body"]["error"]["code"] for name in ("prompt-past-the-context", "decision-past-the-context")]
+    assert context == ["context_length_exceeded"] * 2 and frozen["systemone-past-the-context"]["status"] == 422

@@ -53,6 +53,7 @@ def make_mp4(frames: np.ndarray, rate: int = 10, codec: str = "libx264", options
     with av.open(out, "w", format="mp4", options=options or {}) as container:
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        stream.codec_context.thread_count = 1  # one encoder thread: the same frames always give the same stream
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())

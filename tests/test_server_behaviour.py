@@ -1,9 +1,11 @@
-"""The server under load and at its edges: 32 streaming clients with a third disconnecting, deadlines,
-the API key, tokenize and detokenize, /metrics, and `python -m lanes serve` ending cleanly on SIGTERM.
+"""The server under load and at its edges: 32 streaming clients with a third disconnecting, a non-streaming
+client leaving, deadlines, the API key, tokenize and detokenize, /v1/info and /metrics, and
+`python -m lanes serve` refusing flags by name and ending cleanly on SIGTERM and SIGINT.
 
 Rules: live servers on 127.0.0.1 port 0; tiny models built in the test; clients disconnect by closing
-their response; held passes (never sleeps) make the slow cases; every test under `trio.fail_after`; the
-lane core's integrity and a balanced block pool are checked when each server stops.
+their response or by being cancelled; held passes (never sleeps) make the slow cases; every test under
+`trio.fail_after`, a served process's output read under it too; the lane core's integrity and a balanced
+block pool are checked when each server stops.
 """
 
 import json
@@ -12,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import httpx
 import pytest
@@ -21,7 +24,7 @@ import tiny
 from golden_server import HELLO, fake_service
 from lanes.gpu.device import choose
 from lanes.loader import load_model
-from server_helpers import serving, torch_service
+from server_helpers import counted, serving, torch_service, until
 
 CHAT = "/v1/chat/completions"
 
@@ -82,6 +85,26 @@ async def test_32_streaming_clients_a_third_leaving_the_rest_equal_their_solo_ru
     assert 1 <= stats.streams_cancelled <= 11 and stats.streams_cancelled + stats.streams_finished == 32 + 21
 
 
+async def test_a_non_streaming_client_that_leaves_cancels_its_stream_and_frees_its_lane_within_one_pass(tmp_path):
+    service, backend = fake_service(tmp_path, lanes=1)
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            entered, release = backend.hold()
+            async with trio.open_nursery() as client:
+                client.start_soon(partial(http.post, CHAT, json={"messages": HELLO, "max_tokens": 40, "ignore_eos": True}))
+                await entered.wait()  # its first pass is inside the backend
+                client.cancel_scope.cancel()  # the client goes away before any answer
+            await until(lambda: counted(service, "chat", 499) == 1)  # the handler saw it and closed the stream
+            at_leave = service.core.statistics()
+            release.set()
+            await until(lambda: service.core.statistics().lanes_busy == 0)
+            info = (await http.get("/v1/info")).json()
+    stats = service.core.statistics()
+    assert (at_leave.lanes_busy, at_leave.passes) == (1, 0)
+    assert (stats.passes, stats.streams_cancelled, stats.tokens_out) == (1, 1, 0)  # freed at the held pass's boundary
+    assert (info["lanes_busy"], info["admission"]["open_requests"]) == (0, 0)
+
+
 async def test_past_its_deadline_a_request_gets_a_timeout_and_a_stream_an_error_event(tmp_path):
     service, backend = fake_service(tmp_path, request_timeout=0.3)
     async with serving(service) as url:
@@ -120,14 +143,19 @@ async def test_tokenize_detokenize_models_info_and_metrics(tiny_model):
             assert tokens["tokens"] == tokenizer.encode("the cat in the hat") and tokens["count"] == len(tokens["tokens"])
             chat = (await http.post("/v1/tokenize", json={"messages": HELLO})).json()
             assert chat["tokens"] == tokenizer.encode_prompt(tokenizer.render_chat(HELLO))
+            paired = await http.post("/v1/tokenize", content='{"prompt": "\\ud83d\\ude00"}')  # an escaped pair is text
+            assert paired.json()["tokens"] == tokenizer.encode("\U0001F600")
             text = (await http.post("/v1/detokenize", json={"tokens": tokens["tokens"]})).json()
             assert text == {"prompt": "the cat in the hat"}
             models = (await http.get("/v1/models")).json()
             assert [m["id"] for m in models["data"]] == ["tiny"]
             info = (await http.get("/v1/info")).json()
-            assert (info["model"], info["family"], info["lanes"], info["tp"], info["vision"], info["decides"]) == \
-                ("tiny", "llama", 4, 1, False, False)
-            assert info["admission"]["max_queue"] == 64 and info["admission"]["max_model_len"] == 256
+            shown = {key: info[key] for key in ("model", "family", "lanes", "max_rows", "tp", "vision", "decides")}
+            assert shown == {"model": "tiny", "family": "llama", "lanes": 4, "max_rows": 64, "tp": 1, "vision": False,
+                             "decides": False}
+            assert info["admission"] == {"max_queue": 64, "queued": 0, "max_model_len": 256, "request_timeout": 600.0,
+                                         "max_body_bytes": 4 << 20, "max_header_bytes": 16 << 10,
+                                         "max_open_requests": 1024, "open_requests": 0}
             await http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
             metrics = (await http.get("/metrics")).text
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
@@ -138,28 +166,49 @@ async def test_tokenize_detokenize_models_info_and_metrics(tiny_model):
     assert float(lines["lanes_lanes"]) == 4.0 and float(lines["lanes_queue_length"]) == 0.0
 
 
-def test_serve_ends_cleanly_on_sigterm_and_refuses_unbuilt_flags(tmp_path):
+SERVE = [sys.executable, "-m", "lanes", "serve", "--device", "cpu", "--max-model-len", "128"]
+
+
+@pytest.mark.parametrize("flag", ["--vision", "--vision-urls"])
+def test_serve_refuses_a_vision_flag_it_cannot_honour_by_name(tmp_path, flag):
+    tiny.build("llama", tmp_path)  # a text family
+    refused = subprocess.run([*SERVE, "--model", str(tmp_path), flag], capture_output=True, text=True, timeout=120)
+    expected = {"--vision": f"{tmp_path}: the llama family takes no images or videos (vision families: qwen2_vl, qwen2_5_vl)",
+                "--vision-urls": "--vision-urls needs --vision"}[flag]
+    assert (refused.returncode, refused.stderr.strip().splitlines()[-1]) == (2, f"lanes: error: {expected}")
+
+
+async def line_with(stream: trio.abc.ReceiveStream, word: str, seen: bytearray) -> str:
+    """The first whole line holding `word`, reading `stream` into `seen` (under the caller's fail_after)."""
+    while True:
+        for line in seen.decode(errors="replace").splitlines(keepends=True):
+            if word in line and line.endswith("\n"):
+                return line
+        chunk = await stream.receive_some()
+        assert chunk, f"the server ended before printing {word!r}: {seen.decode(errors='replace')}"
+        seen += chunk
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_serve_ends_cleanly_with_exit_0_on_sigterm_and_sigint(tmp_path, stop):
     tiny.build("llama", tmp_path)
-    refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--vision"],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == "lanes: error: --vision is not available in this version of lanes"
-    server = subprocess.Popen([sys.executable, "-m", "lanes", "serve", "--model", str(tmp_path), "--port", "0",
-                               "--device", "cpu", "--max-model-len", "128"], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        for line in server.stderr:
-            if "serving" in line:
-                url = line.rsplit(" on ", 1)[1].strip()
-                break
-        reply = httpx.post(f"{url}{CHAT}", json={"messages": HELLO, "max_tokens": 3}, timeout=60)
-        assert reply.status_code == 200
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=60) == 0
-        rest = server.stderr.read()
-        assert "SIGTERM received" in rest and "stopped" in rest and "Traceback" not in rest
-    finally:
-        server.kill()
+    seen = bytearray()
+    with trio.fail_after(120):  # a server that stalls before "serving", or never stops, fails here
+        server = await trio.lowlevel.open_process([*SERVE, "--model", str(tmp_path), "--port", "0"],
+                                                  stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = (await line_with(server.stderr, "serving", seen)).rsplit(" on ", 1)[1].strip()
+            async with httpx.AsyncClient(timeout=60) as http:
+                reply = await http.post(f"{url}{CHAT}", json={"messages": HELLO, "max_tokens": 3})
+            assert reply.status_code == 200
+            server.send_signal(stop)
+            assert await server.wait() == 0
+            async for chunk in server.stderr:
+                seen += chunk
+        finally:
+            server.kill()
+    log = seen.decode()
+    assert f"{stop.name} received" in log and "stopped" in log and "Traceback" not in log
 
 
 async def test_a_client_that_sends_its_body_too_slowly_gets_408_and_the_server_stays_up(tmp_path):

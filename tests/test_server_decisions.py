@@ -1,12 +1,15 @@
 """/v1/decisions and /v1/systemone through a live server: probabilities equal transformers' softmax over
-the label logits of the same rendered prompts; a trunk with branches answers as independent reads do; a
-model whose labels are not single tokens gets 501 by name.
+the label logits of the same rendered prompts; input as messages and state as JSON render as the spec says;
+a trunk with branches answers as independent reads do; a model whose labels are not single tokens gets 501
+by name.
 
 Rules: live servers on 127.0.0.1 port 0 (with decisions on); a tiny random model built in the test whose
 tokenizer makes yes/no, A..Z and 0..9 single tokens; references from transformers' forward on the very
 token ids our prompts render to; within 1e-4; every test under `trio.fail_after`; the lane core's books
 checked when each server stops.
 """
+
+import json
 
 import httpx
 import pytest
@@ -44,9 +47,9 @@ def decider(model, **options) -> Service:
     return Service(core, model.tokenizer, "tiny", "qwen2", 512, vocab_size=model.config.vocab_size, decides=True)
 
 
-def reference_probabilities(model, reference, question: Question) -> list[float]:
+def reference_probabilities(model, reference, question: Question, system: str | None = None) -> list[float]:
     labels = find_label_tokens(model.tokenizer)[question.kind]
-    ids = render(model.tokenizer, None, STATE, question)
+    ids = render(model.tokenizer, system, STATE, question)
     with torch.no_grad():
         row = reference(torch.tensor([ids])).logits[0, -1]
     picked = row[[labels[label] for label in question.labels]]
@@ -72,6 +75,34 @@ async def test_probabilities_equal_transformers_for_predicate_choice_and_score(m
     assert [p["probability"] for p in score["probabilities"]] == pytest.approx(expected, abs=1e-4)
     assert score["score"] == pytest.approx(sum(i * p for i, p in enumerate(expected)), abs=1e-4)
     assert reply["usage"]["output_tokens"] == 0 and reply["object"] == "decision"
+
+
+async def test_input_as_messages_and_state_as_json_are_answered_as_the_text_they_render_to(model_and_reference):
+    model, reference = model_and_reference
+    ask = QUESTIONS[0]
+    question = Question("predicate", ask["instructions"], (Option("true"), Option("false")))
+    state = {"cat": "on the mat", "où": ["là", 1, None]}
+    state_text = json.dumps(state, ensure_ascii=False)
+    parts = [{"type": "input_text", "text": "the cat sat"}, {"type": "input_text", "text": " on the mat in the hat"}]
+    async with serving(decider(model)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async def decide(given) -> dict:
+                return (await http.post("/v1/decisions", json={"model": "tiny", "input": given, "questions": [ask]})).json()
+
+            as_text = await decide(STATE)
+            as_parts = await decide([{"role": "user", "content": parts}])
+            with_system = await decide([{"role": "system", "content": "Be brief."}, {"role": "user", "content": STATE}])
+            json_as_text = await decide(state_text)
+            as_json = (await http.post("/v1/systemone", json={"state": state, "questions": {
+                "x": {"type": "noul", "instructions": ask["instructions"]}}})).json()
+    assert as_parts["answers"] == as_text["answers"] and as_parts["usage"] == as_text["usage"]
+    assert with_system["usage"]["input_tokens"] == len(render(model.tokenizer, "Be brief.", STATE, question))
+    expected = reference_probabilities(model, reference, question, system="Be brief.")
+    assert with_system["answers"][0]["probability"] == pytest.approx(expected[0], abs=1e-4)
+    assert with_system["answers"][0]["probability"] != as_text["answers"][0]["probability"]  # the system turn counts
+    assert as_json["usage"]["input_tokens"] == json_as_text["usage"]["input_tokens"] == \
+        len(render(model.tokenizer, None, state_text, question))
+    assert as_json["answers"]["x"]["noul"] == json_as_text["answers"][0]["probability"]
 
 
 async def test_a_trunk_with_branches_answers_as_independent_reads_and_systemone_agrees(model_and_reference):

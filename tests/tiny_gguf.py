@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -36,8 +37,12 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuantizationType) -> None:
-    """Write `model` (saved with its tokenizer in `folder`) as a GGUF file of architecture `arch`."""
+def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuantizationType,
+          encode: Callable[[str, np.ndarray], np.ndarray] | None = None) -> None:
+    """Write `model` (saved with its tokenizer in `folder`) as a GGUF file of architecture `arch`.
+
+    With `encode`, each matrix is stored as `encode(hf_name, float32 rows)`: raw `matrix_type` data in
+    the model's row order (the llama Q/K permutation is applied to its rows afterwards)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -69,6 +74,12 @@ def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuan
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         array = tensor.detach().to(torch.float32).numpy()
+        if encode is not None and array.ndim == 2:
+            stored = encode(name, array)
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                stored = llama_cpp_permute(stored, heads if ".q_proj." in name else kv_heads)  # it moves rows only, so raw rows move as float ones
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(stored), raw_dtype=matrix_type)
+            continue
         if arch == "llama" and ".q_proj." in name:
             array = llama_cpp_permute(array, heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -81,3 +92,21 @@ def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuan
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+K_LAYOUT = {  # bytes a 256-value block, and where its f16 scales lie with their size relative to `scale`
+    gguf.GGMLQuantizationType.Q4_K: (144, {0: 1.0, 2: 7.5}),  # d, then dmin (7.5 d centres d*sc*q - dmin*m)
+    gguf.GGMLQuantizationType.Q6_K: (210, {208: 1.0}),  # d, after ql, qh and the int8 scales
+}
+
+
+def random_k_blocks(rows: int, cols: int, kind: gguf.GGMLQuantizationType, scale: float, seed: int) -> np.ndarray:
+    """Raw K-quant data (the gguf package cannot quantize these types): random bytes, with every block's
+    f16 scales set near `scale` so the values stay small; returns [rows, bytes] uint8."""
+    size, scales = K_LAYOUT[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for at, factor in scales.items():
+        halves = (factor * scale * rng.uniform(0.5, 1.5, size=(rows, cols // 256))).astype(np.float16)
+        blocks[:, :, at : at + 2] = halves.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)

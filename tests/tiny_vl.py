@@ -40,9 +40,10 @@ VISION = {
 }
 
 
-def write_vl_tokenizer(folder: Path) -> dict[str, int]:
-    """tiny's tokenizer plus the vision placeholders as special tokens; returns their ids (and the size)."""
-    size = tiny.write_tokenizer(folder, chat_template=QWEN2_VL_TEMPLATE)
+def write_vl_tokenizer(folder: Path, labels: bool = False) -> dict[str, int]:
+    """tiny's tokenizer plus the vision placeholders as special tokens; returns their ids (and the size).
+    `labels` gives it single-token decision labels, as tiny's does."""
+    size = tiny.write_tokenizer(folder, chat_template=QWEN2_VL_TEMPLATE, labels=labels)
     path = folder / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.add_special_tokens(VISION_SPECIALS)
@@ -52,12 +53,13 @@ def write_vl_tokenizer(folder: Path) -> dict[str, int]:
     return ids
 
 
-def build(family: str, folder: Path, seed: int = 0):
-    """A tiny `family` model (qwen2_vl or qwen2_5_vl) saved to `folder`; returns (model, placeholder ids)."""
+def build(family: str, folder: Path, seed: int = 0, labels: bool = False):
+    """A tiny `family` model (qwen2_vl or qwen2_5_vl) saved to `folder`; returns (model, placeholder ids).
+    `labels` makes decision labels single tokens (see `write_vl_tokenizer`)."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
-    ids = write_vl_tokenizer(folder)
+    ids = write_vl_tokenizer(folder, labels=labels)
     config_class, model_class = {
         "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
         "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),

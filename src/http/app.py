@@ -8,14 +8,16 @@ from __future__ import annotations
 import hmac
 import json
 
+import trio
+
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge, RequestTimeout
 
 from ..text.chat import ChatTemplateError
 from . import decisions as decision_routes
-from . import errors
-from .openai_api import Exchange, chat_completions, completions
+from . import errors, parse
+from .openai_api import Exchange, chat_completions, completions, with_media
 from .service import Service
 
 OPEN_PATHS = {"/health"}
@@ -30,16 +32,20 @@ def error_response(error: errors.ApiError) -> Response:
     return json_response(error.body(), error.status, error.headers())
 
 
-async def read_json(service: Service) -> dict:
+async def read_json(service: Service, field_status: int = 400) -> dict:
+    """The body as a JSON object whose nesting and text every handler can take (`field_status` for a bad field)."""
     raw = await request.get_data(cache=False)
     if len(raw) > service.max_body:
         raise errors.body_too_large(service.max_body)
     try:
         body = json.loads(raw)
+    except RecursionError:  # nested past the parser's stack, so past MAX_DEPTH too
+        raise errors.nested_too_deeply(parse.MAX_DEPTH) from None
     except (ValueError, UnicodeDecodeError):
         raise errors.malformed_json() from None
     if not isinstance(body, dict):
         raise errors.not_an_object()
+    parse.check_body(body, field_status)
     return body
 
 
@@ -129,7 +135,10 @@ def create_app(service: Service) -> QuartTrio:
     async def tokenize():
         try:
             body = await read_json(service)
-            ids = tokenize_body(service, body)
+            parts = []
+            ids = tokenize_body(service, body, parts)
+            if parts:  # images and videos count as the rows they take
+                ids = list((await with_media(service, ids, parts, trio.current_time() + service.request_timeout, "messages"))[0])
         except errors.ApiError as error:
             return error_response(error)
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
@@ -148,7 +157,7 @@ def create_app(service: Service) -> QuartTrio:
             return error_response(error)
         return json_response({"prompt": service.tokenizer.decode(tokens, skip_special_tokens=False)})
 
-    async def decide(endpoint: str, handler):
+    async def decide(endpoint: str, handler, field_status: int):
         if not service.decides:
             return error_response(errors.decisions_off())
         exchange = Exchange(service, endpoint)
@@ -156,7 +165,7 @@ def create_app(service: Service) -> QuartTrio:
             exchange.finish(429)
             return error_response(errors.too_many_open(service.max_open))
         try:
-            body = await read_json(service)
+            body = await read_json(service, field_status)
             result = await handler(service, body)
         except errors.ApiError as error:
             exchange.finish(error.status)
@@ -175,11 +184,11 @@ def create_app(service: Service) -> QuartTrio:
 
     @app.post("/v1/decisions")
     async def decisions():
-        return await decide("decisions", decision_routes.decisions)
+        return await decide("decisions", decision_routes.decisions, decision_routes.DECISIONS_STATUS)
 
     @app.post("/v1/systemone")
     async def systemone():
-        return await decide("systemone", decision_routes.systemone)
+        return await decide("systemone", decision_routes.systemone, decision_routes.SYSTEMONE_STATUS)
 
     @app.errorhandler(errors.ApiError)
     async def api_error(error: errors.ApiError):
@@ -205,13 +214,13 @@ def create_app(service: Service) -> QuartTrio:
     return app
 
 
-def tokenize_body(service: Service, body: dict) -> list[int]:
+def tokenize_body(service: Service, body: dict, parts: list | None = None) -> list[int]:
     tokenizer = service.tokenizer
     if "messages" in body:
         from .parse import messages
 
         try:
-            text = tokenizer.render_chat(messages(body, service.vision),
+            text = tokenizer.render_chat(messages(body, service.vision, parts),
                                          add_generation_prompt=bool(body.get("add_generation_prompt", True)))
         except ChatTemplateError as error:
             raise errors.chat_template(str(error)) from None

@@ -51,10 +51,17 @@ def entry_text(entry: Any) -> str:
     return entry if isinstance(entry, str) else json.dumps(entry, ensure_ascii=False)
 
 
-def render(tokenizer: Tokenizer, system: str | None, state_text: str, question: Question) -> list[int]:
-    """The question's prompt: an optional system message, then the state and the question block as the user's."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{state_text}\n\n{question.block()}"}]
+def render(tokenizer: Tokenizer, system: str | None, state: str | Sequence[dict], question: Question) -> list[int]:
+    """The question's prompt: an optional system message, then the state and the question block as the user's.
+
+    `state` is its text, or the template's parts (text and `{"type": "image"}`, in order) when it holds
+    images: the question block then follows as one more text part, so that the template writes an image's
+    placeholder where it stands and the text reads as it would without images."""
+    if isinstance(state, str):
+        content: str | list[dict] = f"{state}\n\n{question.block()}"
+    else:
+        content = [*state, {"type": "text", "text": f"\n\n{question.block()}"}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     return tokenizer.encode_prompt(tokenizer.render_chat(messages, add_generation_prompt=True, enable_thinking=False))
 
 

@@ -2,23 +2,26 @@
 decision on the lane core (trunk once, branches beside live streams), answer with probabilities.
 
 /v1/decisions refuses bad bodies with 400 in OpenAI's shape; /v1/systemone with 422 naming the field.
+Images (`input_image` parts, System One's `assets`) need --vision; src/http/decision_media.py places them.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import trio
 
 from ..core.decider import DecisionRequest, DecisionTimeout
 from ..core.stream import EngineError
 from . import errors
+from .decision_media import DecisionInput, parse_input, place_assets, with_images
 from .decision_prompts import LabelsNotSingleTokens, Option, Question, entry_text, find_label_tokens, probabilities, render, score_value
 from .service import Service
 
 KINDS = {"predicate", "choice", "score"}
+DECISIONS_STATUS, SYSTEMONE_STATUS = 400, 422  # what each endpoint answers a bad field with
 
 
 def not_available(reason: str) -> errors.ApiError:
@@ -71,10 +74,31 @@ class Refuse:
         return value
 
 
-async def run(service: Service, prompts: list[list[int]], labels: list[tuple[int, ...]]):
-    deadline = trio.current_time() + service.decision_timeout
+def check_length(service: Service, prompts: list[list[int]], param: str, status: int) -> None:
+    """A question longer than a lane can hold would wait out its deadline: refuse it now, as chat does."""
+    core = service.core
+    room = min(core.max_model_len, core.pool.total * core.pool.block_size)  # the lane core's own bound on a stream
+    longest = max(len(p) for p in prompts)
+    if longest > room:
+        raise errors.decision_too_long(longest, room, param, status)
+
+
+async def prompts_of(service: Service, given: DecisionInput, questions: list[Question], deadline: float, param: str,
+                     status: int) -> tuple[list[tuple[int, ...]], tuple]:
+    """Each question's prompt over the input, its images' rows expanded, and the images' media."""
+    prompts = [render(service.tokenizer, given.system, given.state, q) for q in questions]
+    check_length(service, prompts, param, status)
+    if not given.images:
+        return [tuple(p) for p in prompts], ()
+    prompts, media = await with_images(service, prompts, given.images, deadline, param, status)
+    check_length(service, prompts, param, status)  # again: each image takes as many rows as its grid has patches
+    return prompts, media
+
+
+async def run(service: Service, prompts: list[tuple[int, ...]], labels: list[tuple[int, ...]], deadline: float,
+              media: tuple = ()):
     try:
-        return await service.core.decide(DecisionRequest(tuple(map(tuple, prompts)), tuple(labels), deadline))
+        return await service.core.decide(DecisionRequest(tuple(prompts), tuple(labels), deadline, media))
     except DecisionTimeout:
         raise errors.deadline_exceeded() from None
     except EngineError as error:
@@ -121,37 +145,8 @@ def parse_question(refuse: Refuse, raw: Any, at: str) -> tuple[Question, str | N
     return Question("score", instructions, tuple(options)), name
 
 
-def parse_input(refuse: Refuse, raw: Any, vision_off: Callable[[], errors.ApiError]) -> tuple[str | None, str]:
-    """(system text, state text) of a decision's input: a string, or messages."""
-    if isinstance(raw, str):
-        return None, raw
-    if not isinstance(raw, list) or not raw:
-        raise refuse("input", "'input' must be a string or a non-empty list of messages")
-    system, user = [], []
-    for i, message in enumerate(raw):
-        m = refuse.fields(message, f"input[{i}]", {"role", "content"}, {"role", "content"})
-        if m["role"] not in ("user", "system", "developer"):
-            raise refuse(f"input[{i}].role", f"'input[{i}].role' must be user, system or developer")
-        content = m["content"]
-        if isinstance(content, str):
-            texts = [content]
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "input_image":
-                    raise vision_off()
-                p = refuse.fields(part, f"input[{i}].content[{j}]", {"type", "text"}, {"type", "text"})
-                if p["type"] != "input_text":
-                    raise refuse(f"input[{i}].content[{j}].type", f"'input[{i}].content[{j}].type' must be input_text or input_image")
-                texts.append(refuse.string(p["text"], f"input[{i}].content[{j}].text"))
-        else:
-            raise refuse(f"input[{i}].content", f"'input[{i}].content' must be a string or a list of parts")
-        (user if m["role"] == "user" else system).append("".join(texts))
-    return ("\n\n".join(system) or None), "\n\n".join(user)
-
-
 async def decisions(service: Service, body: dict) -> dict:
-    refuse = Refuse(400)
+    refuse = Refuse(DECISIONS_STATUS)
     refuse.fields(body, "", {"model", "input", "questions", "safety_identifier", "prompt_cache_key"},
                   {"model", "input", "questions"})
     model = refuse.string(body["model"], "model")
@@ -159,13 +154,14 @@ async def decisions(service: Service, body: dict) -> dict:
         raise errors.unknown_model(model, service.model_name)
     refuse.string(body.get("safety_identifier"), "safety_identifier", 128, optional=True)
     refuse.string(body.get("prompt_cache_key"), "prompt_cache_key", 64, optional=True)
-    system, state = parse_input(refuse, body["input"], errors.vision_off)
+    deadline = trio.current_time() + service.decision_timeout  # fetching its images counts toward it
+    given = parse_input(refuse, body["input"], service.vision)
     questions = [parse_question(refuse, q, f"questions[{i}]")
                  for i, q in enumerate(refuse.items(body["questions"], "questions", 1, 64))]
     tokens = labels_of(service)
-    prompts = [render(service.tokenizer, system, state, q) for q, _ in questions]
+    prompts, media = await prompts_of(service, given, [q for q, _ in questions], deadline, "input", DECISIONS_STATUS)
     label_ids = [tuple(tokens[q.kind][label] for label in q.labels) for q, _ in questions]
-    result = await run(service, prompts, label_ids)
+    result = await run(service, prompts, label_ids, deadline, media)
     answers = [answer(q, name, probabilities(read)) for (q, name), read in zip(questions, result.reads)]
     return {"id": f"dec_{uuid.uuid4().hex[:24]}", "object": "decision", "created": int(time.time()), "model": model,
             "answers": answers,
@@ -204,23 +200,24 @@ def parse_systemone_question(refuse: Refuse, raw: Any, at: str) -> Question:
 
 
 async def systemone(service: Service, body: dict) -> dict:
-    refuse = Refuse(422)
+    refuse = Refuse(SYSTEMONE_STATUS)
     refuse.fields(body, "", {"model", "state", "questions", "assets"}, {"state", "questions"})
     model = refuse.string(body.get("model", service.model_name), "model")
     if model not in (service.model_name, "default"):
         raise errors.unknown_model(model, service.model_name)
-    if body.get("assets"):
-        raise errors.vision_off()
+    deadline = trio.current_time() + service.decision_timeout  # fetching its assets counts toward it
+    if body.get("assets") and not service.vision:
+        raise errors.vision_off("assets", SYSTEMONE_STATUS)
     state = body["state"]
     if not isinstance(state, (str, dict, list)):
         raise refuse("state", "'state' must be a string, an object or an array")
-    state_text = entry_text(state)
+    given = place_assets(refuse, body.get("assets"), entry_text(state))
     raw = refuse.items(body["questions"], "questions", 1, 64, dict)
     questions = {qid: parse_systemone_question(refuse, q, f"questions.{qid}") for qid, q in raw.items()}
     tokens = labels_of(service)
-    prompts = [render(service.tokenizer, None, state_text, q) for q in questions.values()]
+    prompts, media = await prompts_of(service, given, list(questions.values()), deadline, "state", SYSTEMONE_STATUS)
     label_ids = [tuple(tokens[q.kind][label] for label in q.labels) for q in questions.values()]
-    result = await run(service, prompts, label_ids)
+    result = await run(service, prompts, label_ids, deadline, media)
     answers = {qid: systemone_answer(q, probabilities(read)) for (qid, q), read in zip(questions.items(), result.reads)}
     return {"id": f"s1_{uuid.uuid4().hex[:24]}", "object": "systemone.decision", "created": int(time.time()),
             "model": model, "answers": answers, "usage": {"input_tokens": result.input_tokens, "output_tokens": 0}}

@@ -50,6 +50,14 @@ def not_an_object() -> ApiError:
     return ApiError(400, "the request body must be a JSON object", code="malformed_json")
 
 
+def nested_too_deeply(limit: int) -> ApiError:
+    return ApiError(400, f"the request body is nested more than {limit} levels deep", code="malformed_json")
+
+
+def not_unicode(param: str, status: int = 400) -> ApiError:
+    return ApiError(status, f"'{param}' is not valid Unicode text", param=param, code="invalid_value")
+
+
 def missing(param: str) -> ApiError:
     return ApiError(400, f"'{param}' is required", param=param, code="missing_parameter")
 
@@ -75,9 +83,15 @@ def unknown_model(name: str, served: str) -> ApiError:
                     code="model_not_found")
 
 
-def context_exceeded(tokens: int, limit: int, param: str = "messages") -> ApiError:
-    return ApiError(400, f"this request needs {tokens} tokens of context but the model's limit is {limit}; "
-                         "shorten the prompt or lower max_tokens", param=param, code="context_length_exceeded")
+def context_exceeded(tokens: int, limit: int, param: str = "messages", status: int = 400,
+                     remedy: str = "shorten the prompt or lower max_tokens") -> ApiError:
+    return ApiError(status, f"this request needs {tokens} tokens of context but the model's limit is {limit}; {remedy}",
+                    param=param, code="context_length_exceeded")
+
+
+def decision_too_long(tokens: int, limit: int, param: str, status: int = 400) -> ApiError:
+    """context_exceeded for a decision, which has no max_tokens to lower."""
+    return context_exceeded(tokens, limit, param, status, "shorten the input or the questions")
 
 
 def body_too_large(limit: int) -> ApiError:
@@ -97,9 +111,61 @@ def too_many_open(limit: int) -> ApiError:
                     code="too_many_open_requests", retry_after=1)
 
 
-def vision_off() -> ApiError:
-    return ApiError(400, "image and video inputs need a server started with --vision", param="messages",
+def vision_off(param: str = "messages", status: int = 400) -> ApiError:
+    return ApiError(status, "image and video inputs need a server started with --vision", param=param,
                     code="vision_disabled")
+
+
+def image_outside_user(param: str) -> ApiError:
+    """An `input_image` part of /v1/decisions in a system or developer message."""
+    return ApiError(400, f"'{param}' is an image outside a user message; images go in user messages", param=param,
+                    code="invalid_request")
+
+
+def asset_not_in_state(key: str) -> ApiError:
+    """A System One asset whose key the state never mentions: there is no place to put its image."""
+    return ApiError(422, f"the asset key '{key}' does not appear in 'state'", param=f"assets.{key}",
+                    code="invalid_request")
+
+
+def asset_value(param: str, allowed: tuple[str, ...]) -> ApiError:
+    """A System One asset's `type` or `format` that is not one the endpoint takes."""
+    return ApiError(422, f"'{param}' must be {' or '.join(allowed)}", param=param, code="invalid_request")
+
+
+# Images and videos refused: fetching (lanes.http.media_fetch's codes) and decoding (lanes.vision.errors' codes).
+MEDIA_WORDS = {
+    "media_urls_disabled": "image and video URLs need a server started with --vision-urls; send a data URL instead",
+    "bad_url": "media URLs must be https URLs with a host and no user name or password",
+    "address_not_allowed": "the media URL's host resolves to an address that is not public",
+    "too_many_redirects": "the media URL redirected too many times",
+    "media_too_large": "the image or video is larger than the server accepts",
+    "media_timeout": "fetching the image or video took longer than the server allows",
+    "bad_status": "the media URL did not answer with a success status",
+    "bad_content_type": "the media URL's content type does not match the part (JPEG or PNG for images, MP4 for videos)",
+    "bad_data_url": "data URLs must be base64 with a media type that matches the part (image/jpeg, image/png, video/mp4)",
+    "fetch_failed": "the media URL could not be fetched (resolution, connection or TLS failed)",
+    "image_unreadable": "the image could not be decoded as JPEG or PNG",
+    "image_truncated": "the image data is truncated or corrupt",
+    "image_format": "only JPEG and PNG images are accepted",
+    "image_too_large": "the image has too many pixels",
+    "image_aspect_ratio": "the image is too narrow: one side is over 200 times the other",
+    "video_unreadable": "the video could not be decoded as mp4",
+    "video_no_stream": "the file has no video stream",
+    "video_too_short": "the video has too few frames",
+    "video_too_long": "the video has too many frames",
+    "video_too_large": "the video's frames have too many pixels",
+    "video_aspect_ratio": "the video is too narrow: one side is over 200 times the other",
+}
+
+
+def media_refused(code: str, param: str | None) -> ApiError:
+    return ApiError(400, MEDIA_WORDS[code], param=param, code=code)
+
+
+def media_placeholders(images: int, videos: int, given_images: int, given_videos: int, param: str = "prompt") -> ApiError:
+    return ApiError(400, f"the prompt holds {images} image and {videos} video placeholders but the request gives "
+                         f"{given_images} images and {given_videos} videos", param=param, code="media_placeholders")
 
 
 def not_found() -> ApiError:

@@ -73,12 +73,13 @@ def sampling_for(sampling: SamplingParams, index: int) -> SamplingParams:
     return sampling if sampling.seed is None or index == 0 else replace(sampling, seed=sampling.seed + index)
 
 
-async def open_streams(core, prompt: Sequence[int], sampling: SamplingParams, n: int, deadline: float) -> list[Stream]:
+async def open_streams(core, prompt: Sequence[int], sampling: SamplingParams, n: int, deadline: float,
+                       media: Sequence = ()) -> list[Stream]:
     """Submit n streams; if any submit fails, the ones already open are closed before the error goes up."""
     streams: list[Stream] = []
     try:
         for i in range(n):
-            streams.append(await core.submit(Request(tuple(prompt), sampling_for(sampling, i), deadline)))
+            streams.append(await core.submit(Request(tuple(prompt), sampling_for(sampling, i), deadline, tuple(media))))
     except BaseException:
         await close_all(streams)
         raise

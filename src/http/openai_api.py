@@ -4,6 +4,7 @@ as one JSON object or as server-sent events ending with `data: [DONE]`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -59,9 +60,9 @@ class Exchange:
                               status, self.prompt_tokens, self.completion_tokens, ttft, total)
 
 
-async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float, param: str):
+async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float, param: str, media=()):
     try:
-        return await open_streams(service.core, prompt, common.sampling, common.n, deadline)
+        return await open_streams(service.core, prompt, common.sampling, common.n, deadline, media)
     except (EngineError, InvalidParameter) as error:
         raise errors.from_engine(error, param) from None
 
@@ -85,8 +86,22 @@ def chat_logprob(service: Service, event: TokenEvent) -> dict:
     return {**entry(event.token, event.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in event.top]}
 
 
+async def with_media(service: Service, prompt: Sequence[int], parts, deadline: float, param: str):
+    """The prompt with its images' and videos' rows, and their media; fetching counts toward the deadline."""
+    if not parts:
+        return prompt, ()
+    with trio.move_on_at(deadline):
+        prepared = await service.vision_inputs.prepare(parts)
+        try:
+            return service.vision_inputs.expand(prompt, prepared)
+        except errors.ApiError as error:
+            raise dataclasses.replace(error, param=param) from None
+    raise errors.deadline_exceeded()
+
+
 async def chat_completions(service: Service, body: dict, exchange: Exchange):
-    messages, common = parse.chat(body, service.vision)
+    parts = []
+    messages, common = parse.chat(body, service.vision, parts)
     model = check_model(service, body)
     tokenizer = service.tokenizer
     if tokenizer.chat_template is None:
@@ -101,9 +116,10 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
     prompt = tokenizer.encode_prompt(text)
-    exchange.prompt_tokens = len(prompt)
     deadline = trio.current_time() + service.request_timeout
-    streams = await submit(service, prompt, common, deadline, "messages")
+    prompt, media = await with_media(service, prompt, parts, deadline, "messages")
+    exchange.prompt_tokens = len(prompt)
+    streams = await submit(service, prompt, common, deadline, "messages", media)
     head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
     if common.stream:
         return chat_sse(service, streams, common, head, deadline, exchange)
@@ -178,6 +194,14 @@ def prompt_ids(service: Service, prompts: list[str | list[int]]) -> list[list[in
     return out
 
 
+def with_placeholders(service: Service, prompt: list[int], images: int) -> list[int]:
+    """A completions prompt given `images` that holds no placeholder gets one image block a part in front."""
+    tokens = service.vision_inputs.tokens
+    if tokens.image in prompt or tokens.video in prompt:
+        return prompt
+    return [tokens.start, tokens.image, tokens.end] * images + list(prompt)
+
+
 def completion_logprobs(service: Service, choice: Choice, prompt: list[int], echo: bool, offset: int) -> dict:
     tokens, values, tops = [], [], []
     if echo:
@@ -200,14 +224,18 @@ def completion_logprobs(service: Service, choice: Choice, prompt: list[int], ech
 
 async def completions(service: Service, body: dict, exchange: Exchange):
     prompts, common, echo = parse.completion(body)
+    parts = parse.completion_images(body, service.vision)
     model = check_model(service, body)
     ids = prompt_ids(service, prompts)
-    exchange.prompt_tokens = sum(len(p) for p in ids)
     deadline = trio.current_time() + service.request_timeout
+    media = ()
+    if parts:
+        ids[0], media = await with_media(service, with_placeholders(service, ids[0], len(parts)), parts, deadline, "prompt")
+    exchange.prompt_tokens = sum(len(p) for p in ids)
     opened = []
     try:
         for prompt in ids:
-            opened.append(await submit(service, prompt, common, deadline, "prompt"))
+            opened.append(await submit(service, prompt, common, deadline, "prompt", media))
     except BaseException:
         await close_all([s for group in opened for s in group])
         raise

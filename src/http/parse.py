@@ -6,22 +6,26 @@ server does not honour are refused by name rather than ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.sampling import InvalidParameter, SamplingParams
 from . import errors
+from .media_fetch import MediaPart
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "n", "stream", "stream_options", "ignore_eos", "user", "metadata",
                    "store", "model"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                  "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of"}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "images"}
 UNSUPPORTED = {"logit_bias", "suffix", "functions", "function_call", "audio", "modalities", "prediction",
                "web_search_options", "reasoning_effort", "service_tier"}
 MEDIA_PARTS = {"image_url", "input_image", "image", "video_url", "video", "input_audio"}
+VISION_PARTS = {"image_url": "image", "video_url": "video"}  # the media parts chat takes, and their template type
 MAX_N = 16
 
 
@@ -113,26 +117,45 @@ def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: 
     return Common(sampling, n, boolean(body, "stream", False), include_usage)
 
 
-def text_of(content: Any, index: int, vision: bool) -> str:
-    """A message's content as text: a string, or a list of text parts (media parts refused without --vision)."""
+def text_of(content: Any, index: int, vision: bool, media: list[MediaPart] | None = None) -> str | list[dict]:
+    """A message's content as text: a string, or a list of text parts (media parts refused without --vision).
+
+    With --vision, `image_url` and `video_url` parts are appended to `media` (in order) and the content
+    comes back as the template's parts (`{"type": "image"}`, `{"type": "text", ...}`) when it has any."""
     where = f"messages[{index}].content"
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise errors.wrong_type(where, "a string or a list of content parts")
-    texts = []
-    for part in content:
+    texts, parts = [], []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind in MEDIA_PARTS:
-            raise errors.vision_off()
+            if not vision or media is None:
+                raise errors.vision_off()
+            if kind not in VISION_PARTS:
+                raise errors.unsupported(f"{where}[{j}].type")
+            media.append(media_part(part, kind, f"{where}[{j}]"))
+            parts.append({"type": VISION_PARTS[kind]})
         else:
             raise errors.wrong_type(where, "a string or a list of content parts")
-    return "".join(texts)
+    return parts if len(parts) > len(texts) else "".join(texts)
 
 
-def messages(body: dict, vision: bool) -> list[dict]:
+def media_part(part: dict, kind: str, where: str) -> MediaPart:
+    """An OpenAI `image_url` / `video_url` part's URL (an object with `url`, or the URL itself)."""
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise errors.wrong_type(f"{where}.{kind}.url", "a URL string")
+    return MediaPart(url, VISION_PARTS[kind], f"{where}.{kind}.url")
+
+
+def messages(body: dict, vision: bool, media: list[MediaPart] | None = None) -> list[dict]:
+    """The messages, checked; media parts go to `media` (see `text_of`)."""
     raw = body.get("messages")
     if raw is None:
         raise errors.missing("messages")
@@ -142,13 +165,13 @@ def messages(body: dict, vision: bool) -> list[dict]:
     for i, message in enumerate(raw):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise errors.wrong_type(f"messages[{i}]", "an object with a 'role'")
-        out.append({**message, "content": text_of(message.get("content"), i, vision)})
+        out.append({**message, "content": text_of(message.get("content"), i, vision, media)})
     return out
 
 
-def chat(body: dict, vision: bool) -> tuple[list[dict], Common]:
+def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tuple[list[dict], Common]:
     check_fields(body, CHAT_FIELDS)
-    msgs = messages(body, vision)
+    msgs = messages(body, vision, media)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise errors.unsupported("response_format")
@@ -185,6 +208,26 @@ def completion_prompts(body: dict) -> list[str | list[int]]:
     raise errors.wrong_type("prompt", expected)
 
 
+def completion_images(body: dict, vision: bool) -> list[MediaPart]:
+    """A completions request's `images`: URLs (or `{"url": ...}` objects), for a single prompt; with --vision only."""
+    images = body.get("images")
+    if images is None:
+        return []
+    if not vision:
+        raise dataclasses.replace(errors.vision_off(), param="images")
+    if not isinstance(images, list) or not images:
+        raise errors.wrong_type("images", "a non-empty list of image URLs")
+    if len(completion_prompts(body)) != 1:
+        raise errors.out_of_range("images", "images go with a single prompt")
+    parts = []
+    for i, image in enumerate(images):
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise errors.wrong_type(f"images[{i}]", "a URL string")
+        parts.append(MediaPart(url, "image", f"images[{i}]"))
+    return parts
+
+
 def completion(body: dict) -> tuple[list[str | list[int]], Common, bool]:
     check_fields(body, COMPLETION_FIELDS)
     prompts = completion_prompts(body)
@@ -198,3 +241,41 @@ def completion(body: dict) -> tuple[list[str | list[int]], Common, bool]:
     parsed = common(body, max_tokens=integer(body, "max_tokens", 16), logprobs=top is not None, top_logprobs=top or 0,
                     prompt_logprobs=echo and top is not None)
     return prompts, parsed, echo
+
+
+# ---- the whole body, once, before any field is read ----
+
+MAX_DEPTH = 128  # far past any real request, far inside the stack that json, templates and replies recurse on
+SURROGATE = re.compile("[\\ud800-\\udfff]")  # a lone one, which JSON's escapes allow: no tokenizer or UTF-8 reply takes it
+SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def check_body(body: dict, status: int = 400) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and text that is not valid Unicode (keys too), naming where.
+
+    One pass over the parsed body, with its own stack (never the interpreter's), so every field read after
+    it, tokenized or echoed in a refusal, is text that encodes."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) >= MAX_DEPTH:
+            raise errors.nested_too_deeply(MAX_DEPTH)
+        if isinstance(value, list) and SCALARS.issuperset(map(type, value)):
+            continue  # token ids and the like: nothing to look at, item by item
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if (isinstance(key, str) and SURROGATE.search(key)) or (isinstance(item, str) and SURROGATE.search(item)):
+                raise errors.not_unicode(field_name(path + (key,)), status)
+            if isinstance(item, (dict, list)):
+                stack.append((item, path + (key,)))
+
+
+def field_name(path: tuple) -> str:
+    """`messages[0].content`: keys joined by dots, indices in brackets, what is not Unicode escaped."""
+    name = ""
+    for key in path:
+        if isinstance(key, int):
+            name += f"[{key}]"
+        else:
+            key = key.encode("utf-8", "backslashreplace").decode("utf-8")
+            name += f".{key}" if name else key
+    return name

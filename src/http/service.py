@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..core.lane_core import LaneCore
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
 from .tool_system import ToolSystem
+
+if TYPE_CHECKING:
+    from .vision_inputs import VisionInputs
 
 MAX_BODY = 4 << 20
 MAX_HEADERS = 16 << 10
@@ -42,6 +46,7 @@ class Service:
     request_timeout: float = 600.0
     api_key: str | None = None
     vision: bool = False
+    vision_inputs: "VisionInputs | None" = None  # with --vision: how parts become media
     decides: bool = False
     tp: int = 1
     max_body: int = MAX_BODY

@@ -22,7 +22,7 @@ from .models import DEFAULT_MODEL, DEFAULTS, resolve_model
 from .runtime import Runtime, watch_signals
 
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
-NOT_YET = {"vision": "--vision", "vision_urls": "--vision-urls"}
+NOT_YET: dict[str, str] = {}
 
 
 class NotAvailable(Exception):
@@ -67,6 +67,11 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value not in (None, False):
             raise NotAvailable(f"{flag} is not available in this version of lanes")
+    if args.vision_urls and not args.vision:
+        raise NotAvailable("--vision-urls needs --vision")
+    if args.vision and args.tp > 1:
+        # Followers would need every image's embeddings broadcast with the plans; not built.
+        raise NotAvailable("--vision with --tp above 1 is not available in this version of lanes")
 
 
 def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Service:
@@ -76,7 +81,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     followers = None
     if spec is None:
         # Enough KV for every lane to hold a whole context, if the budget allows.
-        model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
+        model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len), vision=args.vision)
     else:
         comm, control = join(spec, placement.device)
         model = load_model(path, placement, shard=Shard(0, spec.world), comm=comm, kv_blocks=kv_blocks(args))
@@ -107,7 +112,30 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
-                   body_timeout=args.body_timeout, tp=spec.world if spec else 1, followers=followers)
+                   body_timeout=args.body_timeout, tp=spec.world if spec else 1, followers=followers,
+                   vision=args.vision, vision_inputs=vision_inputs(model, args.vision_urls) if args.vision else None)
+
+
+def vision_inputs(model, urls: bool):
+    """How this server turns image and video parts into media: the model folder's processor settings."""
+    import json
+
+    from .http.media_fetch import MediaFetcher
+    from .http.vision_inputs import VisionInputs
+    from .vision.qwen_image import VisionParams
+
+    def read(name: str) -> dict | None:
+        path = model.checkpoint.path / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    image = read("preprocessor_config.json") or {}
+    video = read("video_preprocessor_config.json")
+    try:
+        return VisionInputs(MediaFetcher(allow_urls=urls), model.vision_tokens,
+                            image=VisionParams.from_preprocessor_config(image),
+                            video=VisionParams.from_preprocessor_config(video if video is not None else image, video=True))
+    except ValueError as error:
+        raise NotAvailable(f"--vision: the model's preprocessor config: {error}") from None
 
 
 async def serve(args: argparse.Namespace, spec: RankSpec | None = None) -> None:

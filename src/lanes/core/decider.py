@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 from ..gpu.blocks import blocks_for
 from .commands import Reply
+from .media import PromptMedia, check_media
 from .plan import LabelRead
-from .sampling import SamplingParams
+from .sampling import InvalidParameter, SamplingParams
 from .schedule import Job, Phase
 from .stream import EngineError, Finished, QueueFull
 
@@ -45,11 +46,13 @@ class DecisionCancelled(EngineError):
 
 @dataclass(frozen=True)
 class DecisionRequest:
-    """Each branch's whole prompt and the label tokens read after it; `deadline` (trio time) bounds it all."""
+    """Each branch's whole prompt and the label tokens read after it; `deadline` (trio time) bounds it all.
+    `media` are the images every prompt holds, the same rows in each (inside their common prefix)."""
 
     prompts: tuple[tuple[int, ...], ...]
     labels: tuple[tuple[int, ...], ...]
     deadline: float = math.inf
+    media: tuple[PromptMedia, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,16 +81,26 @@ class DecisionJob:
         return ("decision", self.id)
 
 
-def shared_trunk(prompts: Sequence[Sequence[int]], block_size: int) -> tuple[int, ...]:
-    """The longest common prefix of two or more prompts, in whole blocks, leaving every branch a suffix."""
-    if len(prompts) < 2:
-        return ()
+def common_prefix(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all `prompts` share."""
     shortest = min(len(p) for p in prompts)
     common = 0
     while common < shortest and all(p[common] == prompts[0][common] for p in prompts):
         common += 1
-    common = min(common, shortest - 1)
-    return tuple(prompts[0][: common // block_size * block_size])
+    return common
+
+
+def shared_trunk(prompts: Sequence[Sequence[int]], block_size: int,
+                 media: Sequence[PromptMedia] = ()) -> tuple[int, ...]:
+    """The longest common prefix of two or more prompts, in whole blocks, leaving every branch a suffix and
+    never ending inside an image's rows (a lane binds whole images: its rows' positions need the grid)."""
+    if len(prompts) < 2:
+        return ()
+    length = min(common_prefix(prompts), min(len(p) for p in prompts) - 1) // block_size * block_size
+    for item in reversed(media):  # later images first: cutting before one may cut through the one before it
+        if item.start < length < item.end:
+            length = item.start // block_size * block_size
+    return tuple(prompts[0][:length])
 
 
 class Decider:
@@ -107,7 +120,12 @@ class Decider:
         if len(self.queue) >= self.max_queue:
             reply.fail(QueueFull(len(self.queue)))
             return
-        trunk = shared_trunk(request.prompts, self.core.pool.block_size)
+        try:
+            check_media(common_prefix(request.prompts), request.media)
+        except InvalidParameter as error:
+            reply.fail(error)
+            return
+        trunk = shared_trunk(request.prompts, self.core.pool.block_size, request.media)
         self.queue.append(DecisionJob(job_id, key, request, reply, trunk, deque(range(len(request.prompts))),
                                       [None] * len(request.prompts)))
         self.counts["asked"] += 1
@@ -149,12 +167,15 @@ class Decider:
 
     def _admit_trunk(self, decision: DecisionJob, free: list[int]) -> bool:
         core = self.core
-        job = Job(core._take_id(), "trunk", decision.trunk, SamplingParams(), len(decision.trunk), owner=decision)
+        media = tuple(m for m in decision.request.media if m.end <= len(decision.trunk))  # the trunk's own images
+        job = Job(core._take_id(), "trunk", decision.trunk, SamplingParams(), len(decision.trunk), owner=decision,
+                  media=media)
         match = core._lookup(job)
         need = blocks_for(len(decision.trunk), core.pool.block_size) - len(match.blocks)
         if not core._room_for(need, match):
             return False
         core._place(job, free.pop(0), match, capacity=len(decision.trunk))
+        core._counted(job)
         core._jobs[job.id] = job
         decision.running.add(job.id)
         return True
@@ -166,7 +187,7 @@ class Decider:
             index = decision.pending[0]  # the branch's place in the request
             prompt = decision.request.prompts[index]
             job = Job(core._take_id(), "branch", prompt, SamplingParams(), len(prompt), owner=decision,
-                      labels=decision.request.labels[index])
+                      labels=decision.request.labels[index], media=decision.request.media)
             shared = len(decision.trunk) // core.pool.block_size
             need = blocks_for(len(prompt), core.pool.block_size) - shared
             if not core._room_for(need, None):
@@ -197,7 +218,7 @@ class Decider:
             self.core.pool.fork(decision.owner, blocks)  # the branches adopt these; the lane lets go
             decision.trunk_blocks = list(blocks)
             if self.core.cache is not None:
-                self.core.cache.keep(decision.trunk, blocks)
+                self.core.cache.keep(job.key, blocks)  # keyed with its images' digests, as streams are
             decision.cached = job.cached
             decision.trunk_ready = True
             return

@@ -378,6 +378,7 @@ class LaneCore:
             self._queue.popleft()
             self._queue_changed.set()
             self._place(job, free.pop(0), match, capacity=job.limit - 1)
+            self._counted(job)
             self._counts["admitted"] += 1
         self.decider.admit_running(free)  # decisions under way finish, and free their trunks' blocks
         if not self._queue:  # a request waiting for a lane goes before any decision not yet started
@@ -418,7 +419,8 @@ class LaneCore:
         to a fresh prefill); at least one prompt row is left to run."""
         if self.cache is None or job.sampling.prompt_logprobs:
             return Match(None, 0, ())
-        match = self.cache.lookup(job.key[:-1])
+        match = self.cache.lookup(job.key[:-1], count=False)  # counted once the job is placed (`_counted`)
+        job.looked_up = match
         if match.node is None:
             return match
         self.cache.pin(match.node)
@@ -426,6 +428,12 @@ class LaneCore:
             self.cache.report(match.node, ok=False)  # a fresh prefill of the same tokens follows
             return Match(None, 0, ())
         return match
+
+    def _counted(self, job: Job) -> None:
+        """A placed job's lookup counts as a hit or a miss once, however often it looked while it waited."""
+        if self.cache is not None and job.looked_up is not None:
+            self.cache.count_lookup(job.looked_up)
+            job.looked_up = None
 
     def _restore(self, job: Job, match: Match) -> bool:
         """Whether the job can take the cached chain (the place a failed restore is injected in tests)."""
@@ -439,7 +447,7 @@ class LaneCore:
         job.lane = lane
         job.table = BlockTable(("lane", lane))
         self.lanes[lane] = job
-        if job.kind == "stream":
+        if job.kind == "stream" or job.media:  # a decision's prefill with images needs their positions and tower
             self.backend.bind(lane, job.prompt, job.sampling, job.media)
         return job.table
 
@@ -453,8 +461,9 @@ class LaneCore:
         elif job.outcome is None:
             self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt), completion_tokens=len(job.generated),
                                        cached_tokens=job.cached))
-        if job.kind == "stream":
+        if job.kind == "stream" or job.media:  # exactly the jobs `_bind` bound
             self.backend.unbind(lane)
+        if job.kind == "stream":
             ended = isinstance(job.outcome, Finished) and job.outcome.reason != "cancelled"
             self._counts["finished" if ended else "cancelled"] += 1
         job.table.clear(self.pool)

@@ -101,18 +101,29 @@ class PromptCache:
             level = node.children
         return path
 
-    def lookup(self, tokens: Sequence[int]) -> Match:
-        """The longest cached prefix of `tokens` in whole blocks (counted as a hit or a miss)."""
+    def lookup(self, tokens: Sequence[int], *, count: bool = True) -> Match:
+        """The longest cached prefix of `tokens` in whole blocks (counted as a hit or a miss unless `count`
+        is False: a job that may have to look again later is counted once, with `count_lookup`)."""
         path = self._walk(tokens)
         if not path:
-            self._counts["misses"] += 1
+            if count:
+                self.count_lookup(Match(None, 0, ()))
             return Match(None, 0, ())
         tick = next(self._clock)
         for node in path:
             node.used = tick
-        self._counts["hits"] += 1
-        self._counts["hit_tokens"] += len(path) * self.block_size
-        return Match(path[-1], len(path) * self.block_size, tuple(n.block for n in path))
+        match = Match(path[-1], len(path) * self.block_size, tuple(n.block for n in path))
+        if count:
+            self.count_lookup(match)
+        return match
+
+    def count_lookup(self, match: Match) -> None:
+        """Count one lookup's result as a hit (with its tokens) or a miss."""
+        if match.node is None:
+            self._counts["misses"] += 1
+        else:
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += match.tokens
 
     # ---- pins ----
 

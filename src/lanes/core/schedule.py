@@ -61,6 +61,7 @@ class Job:
     stops: frozenset[int] | None = None  # the tokens that end it, worked out at its first draw
     media: tuple = ()  # PromptMedia in the prompt, handed to the backend when the job takes a lane
     key: tuple = ()  # the prompt as the prompt cache keys it: its tokens, media rows by their digests
+    looked_up: object = None  # its prompt cache lookup, counted once it is placed
 
     def __post_init__(self) -> None:
         self.key = cache_key(self.prompt, self.media)

@@ -42,7 +42,7 @@ def family_for(config: Mapping[str, Any]) -> Family:
         for family in _FAMILIES:
             if architecture in family.architectures:
                 return family
-    known = ", ".join(f.name for f in _FAMILIES)
+    known = ", ".join(sorted(f.name for f in _FAMILIES))  # sorted: registration order depends on imports
     named = model_type or ", ".join(config.get("architectures") or ()) or "nothing"
     raise ConfigFault(f"unknown architecture {named!r} (supported families: {known})")
 
