@@ -1,5 +1,6 @@
-"""`python -m fuzz --seconds N --seed S`: run seeded scenarios for N seconds (or `--one`); on a failure,
-print its one-line reproducer and exit 1."""
+"""`python -m fuzz --seconds N --seed S`: run seeded scenarios for N seconds (or `--one`); `--scenario TEXT`
+runs one encoded scenario (the reproducer of a Hypothesis-built one). On a failure, print its one-line
+reproducer and exit 1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import sys
 import time
 
-from .run import FuzzFailure, run_seed
+from .run import FuzzFailure, run_one, run_seed
+from .scenarios import decode
 
 
 def main() -> int:
@@ -15,9 +17,18 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long to keep drawing scenarios")
     parser.add_argument("--seed", type=int, default=0, help="the first seed; each scenario takes the next")
     parser.add_argument("--one", action="store_true", help="run only the scenario of --seed")
+    parser.add_argument("--scenario", default=None, help="run only this encoded scenario (from a reproducer)")
     parser.add_argument("--backend", choices=["fake", "torch"], default="fake",
                         help="the fake backend (fast) or the tiny torch model (slower)")
     args = parser.parse_args()
+    if args.scenario is not None:
+        try:
+            run_one(decode(args.scenario), args.backend)
+        except FuzzFailure as failure:
+            print(f"FAILED: {failure}", file=sys.stderr)
+            return 1
+        print("the scenario passed")
+        return 0
     start, seed, count = time.monotonic(), args.seed, 0
     while True:
         try:

@@ -1,15 +1,22 @@
-"""Scenarios: what a fuzzing run throws at one lane core, all drawn from one seed.
+"""Scenarios: what a fuzzing run throws at one lane core, drawn from one seed or built by Hypothesis.
 
 Clients arrive at virtual times: streams of varied sizes (some sharing prefixes, so the prompt cache
 restores them), some cancelled after a number of events or at a time, some with deadlines; decisions,
 some cancelled; warm passes; restore failures; a lost device (a follower's death, simulated); and a
 shutdown at some point with some grace.
+
+`draw(seed)` is the seeded form (`python -m fuzz --seed S`); `scenarios()` is a Hypothesis strategy over
+the same parts, so a failing scenario shrinks to a small one; `encode`/`decode` turn any scenario into
+one line and back (the reproducer of a scenario no seed gives).
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import random
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import asdict, dataclass, field
 
 PREFIXES = [tuple(range(100 + 50 * k, 100 + 50 * k + 40)) for k in range(3)]  # shared system prompts
 
@@ -43,7 +50,7 @@ class WarmClient:
 
 @dataclass(frozen=True)
 class Scenario:
-    seed: int
+    seed: int  # the schedule's shuffle and the restore failures; for `draw`, also every other choice
     lanes: int
     blocks: int
     max_rows: int
@@ -58,7 +65,7 @@ class Scenario:
     device_lost_at: int | None  # the pass number that fails
     shutdown_at: float | None
     grace: float
-    notes: list[str] = field(default_factory=list, compare=False)
+    drawn: bool = field(default=False, compare=False)  # `draw(seed)` gives it back: the seed reproduces it
 
 
 def _prompt(rng: random.Random) -> tuple[int, ...]:
@@ -109,4 +116,93 @@ def draw(seed: int) -> Scenario:
         device_lost_at=rng.randint(1, 60) if rng.random() < 0.1 else None,
         shutdown_at=rng.uniform(0, horizon) if rng.random() < 0.4 else None,
         grace=rng.choice([0.0, 2.0, 100.0]),
+        drawn=True,
     )
+
+
+def scenarios():
+    """A Hypothesis strategy for scenarios built part by part (the same ranges as `draw`). Every part shrinks
+    towards the plain case: fewer clients, one-token prompts, no cancel, deadline, restore failure, lost
+    device or shutdown, the smallest geometry, time 0."""
+    from hypothesis import strategies as st
+
+    def sometimes(draw, tenths: int, strategy):
+        # A 0..9 draw in the top `tenths` picks a value; it shrinks to 0, so the value to None.
+        return draw(strategy) if draw(st.integers(0, 9)) >= 10 - tenths else None
+
+    def until(limit: float):
+        return st.floats(0, limit, allow_nan=False, allow_infinity=False)
+
+    def tokens(min_size: int, max_size: int):
+        # Bytes, one draw for a whole run of tokens in 2..48: cheap to build, shrinks to fewer and to 2s.
+        return st.binary(min_size=min_size, max_size=max_size).map(lambda raw: tuple(2 + b % 47 for b in raw))
+
+    @st.composite
+    def stream(draw, horizon: float) -> StreamClient:
+        how = draw(st.sampled_from(("stays", "stays", "stays", "leaves after events", "cancels at a time")))
+        return StreamClient(
+            at=draw(until(horizon / 2)),
+            prompt=draw(st.sampled_from([(), *PREFIXES])) + draw(tokens(1, 70)),
+            max_tokens=draw(st.integers(1, 30)),
+            seed=sometimes(draw, 5, st.integers(0, (1 << 30) - 1)),
+            stop=sometimes(draw, 2, st.just(("t7 ",))) or (),
+            deadline=sometimes(draw, 5, st.sampled_from((1.0, 5.0, 30.0))),
+            leave_after=draw(st.integers(0, 8)) if how == "leaves after events" else None,
+            cancel_at=draw(until(horizon)) if how == "cancels at a time" else None,
+        )
+
+    @st.composite
+    def decision(draw, horizon: float) -> DecisionClient:
+        head = draw(st.sampled_from(PREFIXES))
+        labels = st.lists(st.integers(2, 48), min_size=2, max_size=4, unique=True).map(tuple)
+        parts = draw(st.lists(st.tuples(tokens(1, 12), labels), min_size=1, max_size=4))
+        return DecisionClient(draw(until(horizon / 2)), tuple(head + p for p, _ in parts), tuple(lab for _, lab in parts),
+                              deadline=sometimes(draw, 7, st.sampled_from((2.0, 20.0))),
+                              cancel_at=sometimes(draw, 2, until(horizon)))
+
+    @st.composite
+    def warm(draw, horizon: float) -> WarmClient:
+        return WarmClient(draw(until(horizon / 2)), draw(st.sampled_from(PREFIXES)) + (5, 6))
+
+    @st.composite
+    def scenario(draw) -> Scenario:
+        horizon = draw(st.sampled_from((5.0, 20.0, 60.0)))
+        return Scenario(
+            seed=draw(st.integers(0, 2**32 - 1)),
+            lanes=draw(st.sampled_from((1, 2, 3, 5))),
+            blocks=draw(st.sampled_from((10, 16, 24, 40, 96))),
+            max_rows=draw(st.sampled_from((8, 16, 64))),
+            max_queue=draw(st.sampled_from((64, 4, 1))),
+            max_decisions=draw(st.sampled_from((8, 1))),
+            cache_bytes=draw(st.sampled_from((0, 4, 8, 12, 64))),
+            pass_seconds=draw(st.sampled_from((0.05, 0.2, 1.0))),
+            streams=tuple(draw(st.lists(stream(horizon), max_size=14))),
+            decisions=tuple(draw(st.lists(decision(horizon), max_size=4))),
+            warms=tuple(draw(st.lists(warm(horizon), max_size=2))),
+            restore_failure_rate=draw(st.sampled_from((0.0, 0.3, 1.0))),
+            device_lost_at=sometimes(draw, 1, st.integers(1, 60)),
+            shutdown_at=sometimes(draw, 4, until(horizon)),
+            grace=draw(st.sampled_from((100.0, 2.0, 0.0))),
+        )
+
+    return scenario()
+
+
+def encode(scn: Scenario) -> str:
+    """`scn` as one line of URL-safe text (`decode` gives it back)."""
+    data = json.dumps({k: v for k, v in asdict(scn).items() if k != "drawn"}, separators=(",", ":"))
+    return base64.urlsafe_b64encode(zlib.compress(data.encode(), 9)).decode().rstrip("=")
+
+
+def decode(text: str) -> Scenario:
+    """The scenario `encode` wrote."""
+    data = json.loads(zlib.decompress(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))))
+
+    def tuples(value):
+        return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+    data = {k: tuples(v) for k, v in data.items()}
+    data["streams"] = tuple(StreamClient(**{k: tuples(v) for k, v in c.items()}) for c in data["streams"])
+    data["decisions"] = tuple(DecisionClient(**{k: tuples(v) for k, v in c.items()}) for c in data["decisions"])
+    data["warms"] = tuple(WarmClient(**{k: tuples(v) for k, v in c.items()}) for c in data["warms"])
+    return Scenario(**data)

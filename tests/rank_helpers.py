@@ -10,6 +10,8 @@ from pathlib import Path
 
 import trio
 
+from lanes.launch import free_port
+
 
 class Served:
     """One `lanes serve` process: its stderr lines so far, its URL once it serves, its exit code once it ends."""
@@ -66,6 +68,14 @@ async def start(nursery: trio.Nursery, folder: Path, *flags: str, name: str = "l
     served = Served(process, name)
     nursery.start_soon(served.read)
     return served
+
+
+async def start_two_ranks(nursery: trio.Nursery, folder: Path, *flags: str) -> tuple[Served, Served, str]:
+    """Ranks 0 and 1 of `--tp 2` as two processes with `flags`, once rank 0 serves: (rank 0, rank 1, its URL)."""
+    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", str(free_port()), *flags]
+    rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
+    rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
+    return rank0, rank1, await rank0.until_serving()
 
 
 def children_of(pid: int) -> list[int]:

@@ -2,8 +2,10 @@
 launcher form, against the single-rank server on the same tiny model; and every way the ranks end.
 
 Rules: real processes on 127.0.0.1 port 0; the reference is the single-rank server in this process (its
-books checked when it stops); greedy tokens equal, logprobs within 1e-4 (fp32); every exit awaited under a
-bound (item 4's 30 s); no sleeps: a process's end is its pidfd turning readable or its exit being reaped.
+books checked when it stops, as every server checks its own at a clean stop: exit 0 means they balanced);
+greedy tokens equal, logprobs within 1e-4 (fp32); every exit awaited under a bound (item 4's 30 s), a
+death while idle found by the heartbeats; no sleeps: a process's end is its pidfd turning readable or its
+exit being reaped.
 """
 
 import json
@@ -15,10 +17,13 @@ import pytest
 import trio
 
 import tiny
+from lanes.core.lane_core import IntegrityError
+from lanes.followers import HEARTBEAT
 from lanes.gpu.device import choose
-from lanes.launch import free_port
+from lanes.gpu.ranks import PASS_SECONDS
 from lanes.loader import load_model
-from rank_helpers import children_of, gone, start
+from lanes.runtime import Runtime
+from rank_helpers import children_of, gone, start, start_two_ranks
 from server_helpers import serving, torch_service
 
 PROMPTS = ["the cat sat on the mat", "a hat", "on the mat in the hat the cat sat and sat and sat", "0123456789"]
@@ -86,13 +91,9 @@ async def rest_of(lines) -> list[dict]:
 
 async def test_two_explicit_ranks_equal_the_single_rank_server_with_cache_and_decisions(folder, reference):
     expected, decision = reference
-    port = str(free_port())
-    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port, "--lanes", "4", "--decider"]
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
-            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
-            url = await rank0.until_serving()
+            rank0, rank1, url = await start_two_ranks(nursery, folder, "--lanes", "4", "--decider")
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 replies = {}
 
@@ -147,13 +148,9 @@ async def test_the_launcher_form_equals_a_single_rank_frees_a_cancelled_lane_and
 
 
 async def test_killing_rank_1_mid_stream_fails_the_client_and_rank_0_exits_non_zero(folder):
-    port = str(free_port())
-    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port]
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
-            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
-            url = await rank0.until_serving()
+            rank0, rank1, url = await start_two_ranks(nursery, folder)
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 _, lines = await open_stream(http, PROMPTS[0], 400)
                 rank1.signal(signal.SIGKILL)
@@ -169,13 +166,9 @@ async def test_killing_rank_1_mid_stream_fails_the_client_and_rank_0_exits_non_z
 
 
 async def test_killing_rank_0_mid_stream_ends_the_follower_non_zero(folder):
-    port = str(free_port())
-    ranks = ["--tp", "2", "--master", "127.0.0.1", "--master-port", port]
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            rank0 = await start(nursery, folder, *ranks, "--rank", "0", name="rank 0")
-            rank1 = await start(nursery, folder, *ranks, "--rank", "1", name="rank 1")
-            url = await rank0.until_serving()
+            rank0, rank1, url = await start_two_ranks(nursery, folder)
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 _, lines = await open_stream(http, PROMPTS[0], 400)
                 rank0.signal(signal.SIGKILL)
@@ -184,6 +177,40 @@ async def test_killing_rank_0_mid_stream_ends_the_follower_non_zero(folder):
                         await rest_of(lines)  # the connection closes mid-body
                     assert await rank1.exit_code() == 1, rank1.text
     assert any("rank 1 lost a peer in a collective" in line or "rank 0 is gone" in line for line in rank1.lines), rank1.text
+    assert "Traceback" not in rank1.text
+
+
+async def test_killing_rank_1_while_idle_ends_rank_0_non_zero_through_its_heartbeat(folder):
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, url = await start_two_ranks(nursery, folder)
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                assert (await http.get("/v1/info")).json()["followers"]["state"] == "up"
+            rank1.signal(signal.SIGKILL)  # no request in flight: only a heartbeat can find the loss
+            killed = trio.current_time()
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 1, rank0.text
+            took = trio.current_time() - killed
+    # A heartbeat goes out within 2 * HEARTBEAT of quiet; its send to a dead process fails at once.
+    assert took < 2 * HEARTBEAT + PASS_SECONDS, (took, rank0.text)  # a dead host: the send times out
+    assert any(re.fullmatch(r".* ERROR lanes: rank 0 lost a follower: .+", line) for line in rank0.lines), rank0.text
+    assert re.fullmatch(r"lanes: error: rank 0 lost a follower: .+", rank0.lines[-1]), rank0.lines[-1]
+    assert "Traceback" not in rank0.text
+
+
+async def test_killing_rank_0_while_idle_ends_the_follower_non_zero(folder):
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, _ = await start_two_ranks(nursery, folder)
+            rank0.signal(signal.SIGKILL)
+            killed = trio.current_time()
+            with trio.fail_after(BOUND):
+                assert await rank1.exit_code() == 1, rank1.text
+            took = trio.current_time() - killed
+    # The follower waits in its receive; the closed connection (or the group's short timeout) ends it.
+    assert took < PASS_SECONDS + HEARTBEAT, (took, rank1.text)
+    assert any(re.fullmatch(r".* ERROR lanes\.followers: rank 0 is gone: .+ \(after 0 passes\)", line)
+               for line in rank1.lines), rank1.text
     assert "Traceback" not in rank1.text
 
 
@@ -198,6 +225,20 @@ async def test_no_rank_outlives_a_killed_launcher(folder):
             with trio.fail_after(BOUND):
                 await launcher.exit_code()
                 await gone(followers[0])
+
+
+async def test_a_server_that_stops_with_a_block_still_held_logs_its_books_and_fails_the_stop(folder, caplog):
+    model = load_model(folder, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
+    service = torch_service(model, lanes=2, max_model_len=512)
+    runtime = Runtime(service, host="127.0.0.1", port=0, grace=0)
+    with trio.fail_after(60), pytest.RaisesGroup(IntegrityError):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.run)
+            service.core.pool.allocate(("leak",), 1)  # a block nobody gives back: rank 0 and a single rank alike
+            runtime.request_stop()
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert logged == [f"the lane core's books do not balance at the stop: blocks still held after the stop: "
+                      f"{service.core.pool.statistics()}"]
 
 
 def test_rank_flags_are_checked_before_anything_loads(folder):

@@ -1,7 +1,9 @@
 """The runtime: one nursery holding the lane core and the HTTP server; SIGINT and SIGTERM shut it down.
 
 Shutdown order: the lane core stops admitting and fails what waits, live streams get `grace` seconds to
-finish, then hypercorn stops and the nursery closes. A clean shutdown returns normally (exit 0).
+finish, then hypercorn stops and the nursery closes. A clean shutdown checks the lane core's books (every
+lane free, every block back in the pool) and returns normally (exit 0); books that do not balance are a bug,
+logged and raised (exit non-zero).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import trio
 from hypercorn.config import Config
 
 from .core.commands import WarmCancelled
-from .core.lane_core import LaneCore
+from .core.lane_core import IntegrityError, LaneCore
 from .core.stream import BackendFailed, EngineError
+from .gpu.blocks import IntegrityError as PoolIntegrityError
 from .gpu.ranks import PeerLost
 from .http.app import create_app
 from .http.service import Service
@@ -106,6 +109,7 @@ class Runtime:
                     followers.abandon()
         if self.failure is not None:
             raise self.failure
+        check_books(core)
         log.info("stopped")
 
     async def _guard(self, actor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -132,6 +136,17 @@ class Runtime:
                 return  # shutting down
             log.info("tool system prompt warmed: %d tokens cached", len(result.tokens) if result.kept else 0)
             return
+
+
+def check_books(core: LaneCore) -> None:
+    """After a clean stop: raises (and logs) unless the lane core's books balance and every block is free."""
+    try:
+        core.check_integrity()
+        if core.pool.free != core.pool.total:
+            raise IntegrityError(f"blocks still held after the stop: {core.pool.statistics()}")
+    except (IntegrityError, PoolIntegrityError) as error:
+        log.error("the lane core's books do not balance at the stop: %s", error)
+        raise
 
 
 async def watch_signals(runtime: Runtime) -> None:
