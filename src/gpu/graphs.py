@@ -46,7 +46,7 @@ class DecodeGraphs:
         tables = d[4 * n :].view(n, self.width)
         return d[0:size], d[n : n + size], d[2 * n : 2 * n + size], d[3 * n : 3 * n + size], tables[:size]
 
-    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None) -> None:
+    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None) -> None:
         n, host, bs = self.max_lanes, self._host_np, self.block_size
         scratch = self.decoder.kv.scratch_block
         tables = host[4 * n :].reshape(n, self.width)
