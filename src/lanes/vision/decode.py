@@ -149,7 +149,7 @@ def decode_video(
             raise MediaRejected("video_unreadable")
         video_fps = float(stream.average_rate)
         try:
-            total = stream.frames if stream.frames > 0 else _count_frames(container, stream, max_total_frames)
+            total = stream.frames if stream.frames > 0 else _count_frames(data, max_total_frames)
         except (av.error.FFmpegError, OSError, ValueError):
             raise MediaRejected("video_unreadable") from None
         if total > max_total_frames:
@@ -180,14 +180,16 @@ def decode_video(
     )
 
 
-def _count_frames(container: av.container.InputContainer, stream: av.VideoStream, limit: int) -> int:
-    """Decoded frames of a stream whose header has no count (fragmented mp4), stopping past `limit`."""
+def _count_frames(data: bytes, limit: int) -> int:
+    """Decoded frames of a stream whose header has no count (fragmented mp4), stopping past `limit`.
+
+    A container of its own: decoding again after a seek could hand back frames of a decoder not yet flushed."""
     count = 0
-    for _ in container.decode(stream):
-        count += 1
-        if count > limit:
-            break
-    container.seek(0)
+    with av.open(io.BytesIO(data), format="mp4") as container:
+        for _ in container.decode(container.streams.video[0]):
+            count += 1
+            if count > limit:
+                break
     return count
 
 
@@ -201,7 +203,6 @@ def _collect(
     wanted = set(indices)
     frames: list[np.ndarray] = []
     taken: list[int] = []
-    container.seek(0)
     for i, frame in enumerate(container.decode(stream)):
         if i > indices[-1]:
             break
