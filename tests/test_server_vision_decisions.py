@@ -31,17 +31,11 @@ from lanes.http.vision_inputs import VisionInputs
 from lanes.loader import load_model
 from lanes.vision.qwen_image import VisionParams
 from server_helpers import serving
+from test_server_decisions import QUESTIONS  # the same questions as the text-only decisions
 
 PARAMS = VisionParams(min_pixels=28 * 28, max_pixels=28 * 28 * 64)  # as tiny_vl's preprocessor_config.json
 BLOCK = 16
 VISION_OFF = "image and video inputs need a server started with --vision"
-QUESTIONS = [
-    {"type": "predicate", "instructions": "Is the cat on the mat?", "name": "on_mat"},
-    {"type": "choice", "instructions": "Where is the cat?", "choices": [
-        {"value": "mat", "description": "on the floor"}, {"value": "hat"}, {"value": True}]},
-    {"type": "score", "instructions": "How calm is the cat?", "name": "calm", "levels": [
-        {"label": "restless"}, {"label": "calm", "description": "sitting"}, {"label": "asleep"}]},
-]
 MODEL_QUESTIONS = [
     Question("predicate", QUESTIONS[0]["instructions"], (Option("true"), Option("false"))),
     Question("choice", QUESTIONS[1]["instructions"], (Option("mat", "on the floor"), Option("hat"), Option("true"))),

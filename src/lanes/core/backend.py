@@ -54,9 +54,6 @@ class Backend(Protocol):
     async def aclose(self) -> None: ...
 
 
-BACKEND_ENTRIES = ("shape", "step", "bind", "unbind", "aclose")
-
-
 class BackendWrapper:
     """Forwards every entry of `Backend` to `inner`; subclasses override the entries they add to."""
 
