@@ -1,11 +1,13 @@
-"""The lane core's own cost a pass, with and without the pass ahead (docs/DECISIONS.md), in one run.
+"""The lane core's own cost a pass: passes one after another, the pass ahead, and fed passes
+(docs/DECISIONS.md), in one run.
 
     python bench/lane_core.py [--pass-ms 2] [--streams 1,16,64] [--new 128]
 
-The backend is a stand-in whose pass sleeps `--pass-ms` in the runner's worker thread (as a thread
-waiting for the GPU does) and draws fixed tokens, so what is measured is the lane core around it:
-planning, applying, detokenizing (the default model's tokenizer), stop strings, delivering events to one
-consumer task a stream. Prints tokens/s and milliseconds a pass for each setting and their ratio.
+The backend is a stand-in for a device with a queue: each pass it is handed takes `--pass-ms` after the
+one before it ends, and its result is waited for in the runner's worker thread (as a thread waiting for
+the GPU does); it draws fixed tokens. So what is measured is the lane core around it: planning, applying,
+detokenizing (the default model's tokenizer), stop strings, delivering events to one consumer task a
+stream. Prints tokens/s and milliseconds a pass for each setting, and the ratios to the first.
 """
 
 from __future__ import annotations
@@ -25,18 +27,29 @@ from lanes.core.torch_backend import text_factory
 from lanes.gpu.device import CpuRunner
 
 
-class SleepingPass:
-    """A backend whose pass is a sleep in the worker thread; tokens depend on the lane and the step."""
+class QueuedPass:
+    """A stand-in device: passes run one after another, each `seconds` long from when it is handed over or
+    the one before ends; a step waits for its pass's end in the worker thread. Tokens depend on the lane
+    and the step. With `feeds`, a following pass is queued before the step waits."""
 
-    def __init__(self, seconds: float, lanes: int, vocab: int) -> None:
+    def __init__(self, seconds: float, lanes: int, vocab: int, feeds: bool) -> None:
         self.seconds, self.runner, self.passes, self.vocab = seconds, CpuRunner(), 0, vocab
-        self.shape = BackendShape(lanes, lanes * 20, 16, vocab, 1024)
+        self.shape = BackendShape(lanes, lanes * 20, 16, vocab, 1024, feeds=feeds)
+        self._free_at = 0.0  # when the device is done with everything handed to it
+        self._queued = None  # (plan, end time) of a following pass
 
-    async def step(self, plan, started=None):
+    def _hand_over(self) -> float:
         self.passes += 1
+        self._free_at = max(time.perf_counter(), self._free_at) + self.seconds
+        return self._free_at
 
+    async def step(self, plan, started=None, following=None):
         def run():
-            time.sleep(self.seconds)
+            queued, self._queued = self._queued, None
+            end = queued[1] if queued is not None else self._hand_over()
+            if following is not None:
+                self._queued = following, self._hand_over()
+            time.sleep(max(0.0, end - time.perf_counter()))
             return PassResult(tuple(Sampled(20 + (plan.step * 7 + w.piece.lane) % (self.vocab - 20)) if w.sample else None
                                     for w in plan.work), tuple(None for _ in plan.work))
 
@@ -52,8 +65,12 @@ class SleepingPass:
         pass
 
 
-async def run(tokenizer, streams: int, new: int, seconds: float, ahead: bool) -> tuple[float, float]:
-    backend = SleepingPass(seconds, max(streams, 1), tokenizer.vocab_size)
+MODES = {"one by one": (False, False), "ahead": (True, False), "fed": (True, True)}  # (run_ahead, feeds)
+
+
+async def run(tokenizer, streams: int, new: int, seconds: float, mode: str) -> tuple[float, float]:
+    ahead, feeds = MODES[mode]
+    backend = QueuedPass(seconds, max(streams, 1), tokenizer.vocab_size, feeds)
     core = LaneCore(backend, text_factory(tokenizer), [], max_rows=4096, max_queue=1024, run_ahead=ahead)
     sampling = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
 
@@ -87,15 +104,16 @@ def main() -> None:
     rows = []
     for n in [int(s) for s in args.streams.split(",")]:
         best = {}
-        for ahead in (False, True):
-            print(f"{n} streams, pass ahead {'on' if ahead else 'off'} ...", file=sys.stderr, flush=True)
-            runs = [trio.run(run, tokenizer, n, args.new, args.pass_ms / 1e3, ahead) for _ in range(3)]
-            best[ahead] = max(runs)  # the best of three: the least disturbed by the rest of the machine
-        rows.append((n, best[False], best[True]))
-    print(f"\nlane core around a {args.pass_ms:g} ms pass (a sleep in the worker thread), {args.new} tokens a stream")
-    print(f"{'streams':>7} {'off tok/s':>10} {'off ms/pass':>12} {'ahead tok/s':>12} {'ahead ms/pass':>14} {'ratio':>6}")
-    for n, (off_rate, off_pass), (on_rate, on_pass) in rows:
-        print(f"{n:>7} {off_rate:>10.0f} {off_pass * 1e3:>12.2f} {on_rate:>12.0f} {on_pass * 1e3:>14.2f} {on_rate / off_rate:>6.2f}")
+        for mode in MODES:
+            print(f"{n} streams, {mode} ...", file=sys.stderr, flush=True)
+            runs = [trio.run(run, tokenizer, n, args.new, args.pass_ms / 1e3, mode) for _ in range(3)]
+            best[mode] = max(runs)  # the best of three: the least disturbed by the rest of the machine
+        rows.append((n, best))
+    print(f"\nlane core around a {args.pass_ms:g} ms pass (a stand-in device queue), {args.new} tokens a stream")
+    print(f"{'streams':>7} {'mode':>11} {'tok/s':>8} {'ms/pass':>8} {'x one by one':>13}")
+    for n, best in rows:
+        for mode, (rate, per_pass) in best.items():
+            print(f"{n:>7} {mode:>11} {rate:>8.0f} {per_pass * 1e3:>8.2f} {rate / best['one by one'][0]:>13.2f}")
 
 
 if __name__ == "__main__":

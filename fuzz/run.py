@@ -91,6 +91,9 @@ class InlineRunner:
         await trio.lowlevel.checkpoint()
         return fn()
 
+    async def run_launched(self, launch, started=None):
+        return await self.run(lambda: launch().result(), started)
+
     def close(self) -> None:
         pass
 
@@ -102,11 +105,11 @@ class LosesDevice(BackendWrapper):
         super().__init__(inner)
         self.fail_at, self.passes = fail_at, 0
 
-    async def step(self, plan, started=None):
+    async def step(self, plan, started=None, following=None):
         self.passes += 1
         if self.passes == self.fail_at:
             raise RuntimeError("a follower rank died")
-        return await self.inner.step(plan, started)
+        return await self.inner.step(plan, started, following)
 
 
 _models: dict[int, object] = {}
@@ -135,7 +138,9 @@ def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tupl
     if backend_kind == "torch":
         backend = LosesDevice(torch_backend(scn), fail_at)
     else:
-        backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds, fail_at=fail_at)
+        # Half the scenarios run on a fake that feeds (fed passes queued behind the running one).
+        backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds, fail_at=fail_at,
+                              feeds=scn.seed % 2 == 0)
     core = FuzzCore(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
                     max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
                     restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed)

@@ -89,7 +89,7 @@ class Gated(FakeBackend):
 
     _held_release: trio.Event | None = None
 
-    async def step(self, plan, started=None):
+    async def step(self, plan, started=None, following=None):
         if self._held_release is None:
             self._held_release = trio.Event()
         gate, self._gate = self._gate, None
@@ -102,7 +102,7 @@ class Gated(FakeBackend):
                     either.cancel_scope.cancel()
                 either.start_soon(until, release)
                 either.start_soon(until, self._held_release)
-        return await super().step(plan, started)
+        return await super().step(plan, started, following)
 
 
 def lanes_of(plan) -> list[tuple[int, int, int]]:

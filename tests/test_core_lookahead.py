@@ -31,11 +31,11 @@ class Watching(FakeBackend):
         super().__init__(**options)
         self.seen: list[list[tuple[int, int, int]]] = []
 
-    async def step(self, plan, started=None):
+    async def step(self, plan, started=None, following=None):
         rows = [(w.piece.lane, w.sample.step, len(self.core.lanes[w.piece.lane].generated))
                 for w in plan.work if w.sample is not None and not plan.prefills]
         self.seen.append(rows)
-        return await super().step(plan, started)
+        return await super().step(plan, started, following)
 
 
 async def test_a_decode_pass_starts_before_the_one_before_it_is_applied():

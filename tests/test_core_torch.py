@@ -73,6 +73,42 @@ async def test_twelve_concurrent_streams_equal_their_solo_runs(tiny_model, kind)
         assert [o.tokens for o in again] == [o.tokens for o in together]
 
 
+class CountsFed(BackendWrapper):
+    """Counts the plans whose tokens the device fed, as they go by."""
+
+    fed = 0
+
+    async def step(self, plan, started=None, following=None):
+        self.fed += following is not None
+        return await self.inner.step(plan, started, following)
+
+
+async def test_fed_passes_give_the_tokens_of_passes_fed_from_the_host(tiny_model):
+    """On CUDA with graphs, decode passes are queued behind the running one and read their tokens from
+    its draws on the device; greedy streams (ending by length and by stop tokens) get the same tokens as
+    with every pass fed from the host (no graphs). On the CPU nothing feeds."""
+    model, _ = tiny_model
+    eos = model.tokenizer.eos_ids
+    sampling = lambda i: SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=i % 3 == 0)  # noqa: E731
+    reqs = requests(model.config.vocab_size, sampling)
+    counted = []
+
+    def wrap(backend):
+        counted.append(CountsFed(backend))
+        return counted[0]
+
+    fed, _ = await run_all(model, reqs, lanes=5, wrap=wrap)
+    backend = TorchBackend(model, runner_for(model.placement), lanes=5, max_model_len=256, graphs=False)
+    assert not backend.shape.feeds
+    async with running(backend, text=text_factory(model.tokenizer), stop_ids=eos, max_rows=32) as core:
+        with trio.fail_after(120):
+            streams = [await core.submit(r) for r in reqs]
+            host = [await collect(s) for s in streams]
+    assert [o.tokens for o in fed] == [o.tokens for o in host]
+    assert [o.last for o in fed] == [o.last for o in host]
+    assert (counted[0].fed > 20) == model.placement.is_cuda and counted[0].inner.shape.feeds == model.placement.is_cuda
+
+
 async def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_model):
     model, reference = tiny_model
     prompt = tuple(range(5, 29))
@@ -222,5 +258,6 @@ async def test_every_entry_of_the_backend_protocol_is_forwarded(wrapper):
         assert result is RESULTS[name], f"{wrapper.__name__}.{name} did not return the inner result"
         assert calls == [(name, args)], f"{wrapper.__name__}.{name} forwarded {calls}"
         given[name] = args
-    # the followers hear of the pass before it runs; no other wrapper sends anything
-    assert sent == ([given["step"]["plan"]] if wrapper is FollowersBackend else [])
+    # the followers hear of the pass (and of the one to follow it) before it runs; no other wrapper sends anything
+    step = given["step"]
+    assert sent == ([step["plan"], step["following"]] if wrapper is FollowersBackend else [])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 import torch
 import trio
@@ -95,6 +95,12 @@ def announced(fn: Callable[[], T], started: Callable[[], None] | None) -> Callab
     return run
 
 
+class Launched(Protocol[T]):
+    """A pass put on the device's queue; `result()` waits until the device has run it and reads it back."""
+
+    def result(self) -> T: ...
+
+
 class CpuRunner:
     """Runs each pass in a worker thread, one at a time; the thread finishes its pass even if cancelled."""
 
@@ -104,6 +110,14 @@ class CpuRunner:
     async def run(self, fn: Callable[[], T], started: Callable[[], None] | None = None) -> T:
         return await trio.to_thread.run_sync(announced(fn, started), limiter=self._limiter)
 
+    async def run_launched(self, launch: Callable[[], Launched[T]], started: Callable[[], None] | None = None) -> T:
+        """`launch` computes the pass here (the CPU has no queue), so `started` comes first."""
+        return await self.run(lambda: launch().result(), started)
+
+    def record(self) -> None:
+        """No events on the CPU: a pass is done when its launch returns."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -111,7 +125,9 @@ class CpuRunner:
 class CudaRunner:
     """Launches each pass on a cuda-python stream from a worker thread and awaits its end via a CUDA event."""
 
-    def __init__(self, index: int) -> None:
+    WAITS = ("spin", "sleep", "torch")  # how `record`'s events are waited for (bench/wait.py compares them)
+
+    def __init__(self, index: int, wait: str = "spin") -> None:
         from cuda.core import Device, EventOptions
 
         self.device = Device(index)
@@ -122,6 +138,10 @@ class CudaRunner:
         # torch: launches on the stream made by cuda-python
         self.torch_stream = torch.cuda.ExternalStream(int(self.stream.handle), device=torch.device("cuda", index))
         self._event_options = EventOptions(timing_enabled=False, blocking_sync=True)  # the waiting thread sleeps, not spins
+        self._spinning = EventOptions(timing_enabled=False, blocking_sync=False)
+        if wait not in self.WAITS:
+            raise ValueError(f"wait must be one of {self.WAITS}, not {wait!r}")
+        self.wait = wait
         self._launcher = trio.CapacityLimiter(1)
 
     def _launch_and_wait(self, fn: Callable[[], T]) -> T:
@@ -140,10 +160,45 @@ class CudaRunner:
         """
         return await trio.to_thread.run_sync(announced(partial(self._launch_and_wait, fn), started), limiter=self._launcher)
 
+    async def run_launched(self, launch: Callable[[], Launched[T]], started: Callable[[], None] | None = None) -> T:
+        """`launch` puts a pass on the stream and returns at once; `started` is called once it is queued,
+        so the event loop's work between passes overlaps the GPU's; then the pass's result."""
+        token = trio.lowlevel.current_trio_token()
+
+        def go() -> T:
+            with torch.cuda.stream(self.torch_stream):
+                pending = launch()
+                if started is not None:
+                    token.run_sync_soon(started)
+                return pending.result()
+
+        return await trio.to_thread.run_sync(go, limiter=self._launcher)
+
+    def record(self):
+        """An event at this point of the stream, for `Launched.result` to wait on. A pass's result is
+        waited for spinning: a sleeping thread woke ~0.25 ms late on the H200 (bench/wait.py)."""
+        if self.wait == "torch":
+            return _TorchEvent(self.torch_stream)
+        return self.stream.record(options=self._spinning if self.wait == "spin" else self._event_options)
+
     def close(self) -> None:
         # The stream stays alive: torch's caching allocators record events on it when they free memory
         # that a pass used, possibly long after this runner is gone.
         self.stream.sync()
+
+
+class _TorchEvent:
+    """torch's CUDA event on the runner's stream, with the cuda.core event's `sync` and `close`."""
+
+    def __init__(self, stream) -> None:
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+
+    def sync(self) -> None:
+        self._event.synchronize()
+
+    def close(self) -> None:
+        pass
 
 
 def runner_for(placement: Placement) -> CpuRunner | CudaRunner:

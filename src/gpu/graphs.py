@@ -2,8 +2,10 @@
 
 Each graph runs the decoder's fast decode step (`Decoder.decode_step`: Triton kernels, paged attention
 reading block tables on the device) on static input buffers. A pass packs its lanes' token ids,
-positions, slots, lengths and block tables into one host buffer, copies it to the device in one
-transfer, and replays the smallest bucket that holds it; padding rows write only the scratch block.
+positions, slots, lengths, feed rows and block tables into one host buffer, copies it to the device in
+one transfer, and replays the smallest bucket that holds it; padding rows write only the scratch block.
+Every graph leaves its greedy draws in one device buffer, where a row with a feed row reads its token
+(a `fed` plan: the pass is queued before the host has seen the draws of the one before it).
 """
 
 from __future__ import annotations
@@ -32,36 +34,55 @@ class DecodeGraphs:
         self.buckets = [b for b in BUCKETS if b < max_lanes] + [max_lanes]
         self.max_lanes = max_lanes
         n = max_lanes
-        # tokens, positions, slots, lengths: [4, n]; then tables: [n, width] (all int64, one transfer).
+        # tokens, positions, slots, lengths, feed rows: [5, n]; then tables: [n, width] (int64, one transfer).
         # Pageable on purpose: pinned memory made the caching host allocator record events on the pass's
         # stream at free time, which failed (invalid device context) for streams made by cuda-python.
-        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.int64)
+        self._host = torch.zeros(5 * n + n * self.width, dtype=torch.int64)
         self._host_np = self._host.numpy()
         self._device = torch.zeros_like(self._host, device=decoder.device)
+        self._drawn_tokens = torch.zeros(n, dtype=torch.int64, device=decoder.device)  # the last replay's draws
+        self._rows: list[tuple[int, ...] | None] = [None] * n  # the blocks each table row of `_host` holds
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [size, V], greedy draws [2, size]
 
     def _views(self, size: int):
         n, d = self.max_lanes, self._device
-        tables = d[4 * n :].view(n, self.width)
+        tables = d[5 * n :].view(n, self.width)
         return d[0:size], d[n : n + size], d[2 * n : 2 * n + size], d[3 * n : 3 * n + size], tables[:size]
 
-    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None) -> None:
-        n, host, bs = self.max_lanes, self._host_np, self.block_size
+    def _feed_rows(self, size: int) -> torch.Tensor:
+        return self._device[4 * self.max_lanes : 4 * self.max_lanes + size]
+
+    def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured work of a bucket: tokens (fed rows from the last draws), the step, the greedy draw."""
+        tokens, positions, slots, lens, tables = self._views(size)
+        feed = self._feed_rows(size)
+        tokens = torch.where(feed >= 0, self._drawn_tokens.index_select(0, feed.clamp(min=0)), tokens)
+        logits = self.decoder.decode_step(tokens, positions, slots, lens, tables)
+        drawn = greedy_draw(logits)  # the draw costs two small kernels a pass
+        self._drawn_tokens[:size].copy_(drawn[0])  # read after the fed rows above, in stream order
+        return logits, drawn
+
+    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None,
+              feed: Sequence[int] | None = None) -> None:
+        n, host, bs, used = self.max_lanes, self._host_np, self.block_size, len(pieces)
         scratch = self.decoder.kv.scratch_block
-        tables = host[4 * n :].reshape(n, self.width)
-        tables[:size] = scratch
-        host[3 * n : 3 * n + size] = 1  # padding rows: one token of context, in the scratch block
-        host[2 * n : 2 * n + size] = scratch * bs
-        host[0:size] = 0
-        host[n : n + size] = 0
-        for row, piece in enumerate(pieces):
-            position = piece.start
-            host[row] = piece.tokens[0]
-            host[n + row] = position + (offsets[row] if offsets is not None else 0)  # M-RoPE streams rotate past their grids
-            host[2 * n + row] = piece.blocks[position // bs] * bs + position % bs
-            host[3 * n + row] = position + 1
-            tables[row, : len(piece.blocks)] = piece.blocks
+        starts = np.fromiter((p.start for p in pieces), np.int64, used)
+        host[0:used] = np.fromiter((p.tokens[0] for p in pieces), np.int64, used)
+        host[n : n + used] = starts if offsets is None else starts + np.asarray(offsets)  # M-RoPE streams rotate past their grids
+        host[2 * n : 2 * n + used] = np.fromiter((p.blocks[p.start // bs] * bs + p.start % bs for p in pieces), np.int64, used)
+        host[3 * n : 3 * n + used] = starts + 1
+        host[4 * n : 4 * n + used] = -1 if feed is None else feed
+        # Padding rows: token 0 at position 0, one token of context, in the scratch block; no feed.
+        host[used:size], host[n + used : n + size], host[2 * n + used : 2 * n + size] = 0, 0, scratch * bs
+        host[3 * n + used : 3 * n + size], host[4 * n + used : 4 * n + size] = 1, -1
+        tables = host[5 * n :].reshape(n, self.width)
+        for row in range(size):  # a row's table is rewritten only when its blocks change (rarely, in decode)
+            blocks = pieces[row].blocks if row < used else ()
+            if self._rows[row] != blocks:
+                tables[row] = scratch
+                tables[row, : len(blocks)] = blocks
+                self._rows[row] = blocks
 
     def capture(self, quiet: bool = False) -> None:
         """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line."""
@@ -70,15 +91,13 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with Progress("capturing decode graphs", len(self.buckets), stream=None if not quiet else _Null(), unit="buckets") as progress:
             for size in sorted(self.buckets, reverse=True):
-                inputs = self._views(size)
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile the kernels and settle the allocator before capture
-                        greedy_draw(self.decoder.decode_step(*inputs))
+                        self._step(size)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.decoder.decode_step(*inputs)
-                    self._outputs[size] = logits, greedy_draw(logits)  # the draw costs two small kernels a pass
+                    self._outputs[size] = self._step(size)
                 self._graphs[size] = graph
                 progress.advance()
         torch.cuda.current_stream().wait_stream(stream)
@@ -87,20 +106,30 @@ class DecodeGraphs:
         return 0 < len(pieces) <= self.max_lanes and all(
             len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces)
 
-    def run(self, pieces: Sequence[Piece], offsets: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def feeds(self) -> bool:
+        """Whether a pass can read its tokens from the last one's draws (`run`'s `feed`): with graphs."""
+        return bool(self._graphs)
+
+    def run(self, pieces: Sequence[Piece], offsets: Sequence[int] | None = None,
+            feed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the smallest bucket holding `pieces` (decode rows): logits [len(pieces), vocab] and every
         row's greedy draw [2, len(pieces)] (`sampling.greedy_draw`), computed inside the graph.
 
-        Not captured (tensor-parallel ranks: their collectives stay outside graphs), the same step runs
-        eagerly on exactly the pieces' rows, so its collectives have the shapes `Decoder.forward`'s would,
-        and the draw is None (the caller draws). `offsets`: each row's rotary position over its index (M-RoPE)."""
+        `feed`: for each row, the row of the last replay whose draw is its token (that replay may still be
+        running; its pieces' tokens are then not read). Not captured (tensor-parallel ranks: their
+        collectives stay outside graphs), the same step runs eagerly on exactly the pieces' rows, so its
+        collectives have the shapes `Decoder.forward`'s would, and the draw is None (the caller draws).
+        `offsets`: each row's rotary position over its index (M-RoPE)."""
         n = len(pieces)
         if not self._graphs:
+            if feed is not None:
+                raise ValueError("fed rows need captured graphs")
             self._fill(pieces, n, offsets)
             self._device.copy_(self._host)
             return self.decoder.decode_step(*self._views(n)), None
         size = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, size, offsets)
+        self._fill(pieces, size, offsets, feed)
         self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream
         self._graphs[size].replay()
         logits, drawn = self._outputs[size]

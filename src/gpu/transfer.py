@@ -35,3 +35,34 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             chunk = chunk.view(torch.float32)[: int(torch.Size(shape).numel())]
         out.append(chunk.reshape(shape))
     return out
+
+
+class PinnedRing:
+    """Page-locked host buffers of float64 that device-to-host copies fill without blocking the thread,
+    taken in turn (each in-flight pass reads back into its own).
+
+    Allocated by the CUDA driver rather than torch's caching host allocator, which records events on the
+    copying stream when its blocks are freed, and failed doing so for streams made by cuda-python. Never
+    freed: a few kilobytes, alive as long as a copy into them might be.
+    """
+
+    def __init__(self, slots: int, numel: int) -> None:
+        import ctypes
+
+        import numpy as np
+        from cuda.bindings import driver
+
+        self._views = []
+        for _ in range(slots):
+            err, pointer = driver.cuMemHostAlloc(numel * 8, 0)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemHostAlloc of {numel * 8} bytes failed: {err}")
+            array = np.ctypeslib.as_array((ctypes.c_double * numel).from_address(int(pointer)))
+            self._views.append(torch.from_numpy(array))
+        self._next = 0
+
+    def take(self) -> torch.Tensor:
+        """The next buffer [numel] float64 (the one used `slots` takes ago)."""
+        view = self._views[self._next]
+        self._next = (self._next + 1) % len(self._views)
+        return view

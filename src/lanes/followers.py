@@ -69,12 +69,16 @@ class Followers:
         self._state = state
         self._ended.set()
 
-    async def run_pass(self, plan: Plan, inner, started=None) -> PassResult:
-        """Broadcast `plan`, then run it here; the followers run it too, meeting in its collectives."""
+    async def run_pass(self, plan: Plan, inner, started=None, following: Plan | None = None) -> PassResult:
+        """Broadcast `plan` (and `following`, which ranks run after it), then run it here; the followers
+        run it too, meeting in its collectives. (No rank's shape `feeds`, so `following` stays None.)"""
         async with self._lock:
             await self._send(plan)
             self._plans += 1
-            return await inner.step(plan, started)
+            if following is not None:
+                await self._send(following)
+                self._plans += 1
+            return await inner.step(plan, started, following)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Heartbeats while idle, so a follower can tell a quiet rank 0 from a dead one."""
@@ -111,8 +115,8 @@ class FollowersBackend(BackendWrapper):
         super().__init__(inner)
         self.followers = followers
 
-    async def step(self, plan: Plan, started=None) -> PassResult:
-        return await self.followers.run_pass(plan, self.inner, started)
+    async def step(self, plan: Plan, started=None, following: Plan | None = None) -> PassResult:
+        return await self.followers.run_pass(plan, self.inner, started, following)
 
 
 def follow(run: Callable[[Plan], object], control: ControlChannel) -> int:

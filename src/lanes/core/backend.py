@@ -24,6 +24,7 @@ class BackendShape:
     vocab_size: int
     max_model_len: int
     bytes_per_block: int = 1  # device bytes of one KV block (what the prompt cache charges)
+    feeds: bool = False  # can run `fed` plans, queued behind the pass they read from (`Backend.step`)
 
 
 @runtime_checkable
@@ -37,10 +38,12 @@ class Backend(Protocol):
     @property
     def shape(self) -> BackendShape: ...
 
-    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None,
+                   following: Plan | None = None) -> PassResult:
         """Run one pass. Not cancellable midway: the device writes KV into the plan's blocks until it ends.
         `started`, if given, is called in the event loop once the pass is under way (the lane core settles
-        the previous pass meanwhile)."""
+        the previous pass meanwhile). `following` (a `fed` plan, where the shape `feeds`) is put on the
+        device behind `plan` before `plan` is waited for; the next call must then be the step of it."""
         ...
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence[PromptMedia] = ()) -> None:
@@ -64,8 +67,9 @@ class BackendWrapper:
     def shape(self) -> BackendShape:
         return self.inner.shape
 
-    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
-        return await self.inner.step(plan, started)
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None,
+                   following: Plan | None = None) -> PassResult:
+        return await self.inner.step(plan, started, following)
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence[PromptMedia] = ()) -> None:
         self.inner.bind(lane, prompt, sampling, media)

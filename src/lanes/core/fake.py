@@ -28,7 +28,9 @@ def _mix(*numbers: int) -> int:
 
 @dataclass
 class FakeBackend:
-    """`pass_seconds` of (trio) time a pass; `fail_at` makes that pass number raise, to test a lost device."""
+    """`pass_seconds` of (trio) time a pass; `fail_at` makes that pass number raise, to test a lost device.
+    With `feeds`, a `fed` following pass runs when it is handed over (as a device queues it), reading the
+    tokens its lanes drew in the pass before."""
 
     lanes: int = 4
     blocks: int = 64
@@ -40,10 +42,12 @@ class FakeBackend:
     bound: dict[int, tuple[int, ...]] = field(default_factory=dict)
     slots: dict[int, int] = field(default_factory=dict)
     block_size: int = 16
+    feeds: bool = False
+    _queued: tuple[Plan, PassResult] | None = None  # a following pass, run when handed over, not yet stepped
 
     @property
     def shape(self) -> BackendShape:
-        return BackendShape(self.lanes, self.blocks, self.block_size, self.vocab, self.max_model_len)
+        return BackendShape(self.lanes, self.blocks, self.block_size, self.vocab, self.max_model_len, feeds=self.feeds)
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence = ()) -> None:
         if lane in self.bound:
@@ -57,8 +61,22 @@ class FakeBackend:
     async def aclose(self) -> None:
         self.bound.clear()
 
-    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
-        self.plans.append(plan)
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None,
+                   following: Plan | None = None) -> PassResult:
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[0] is not plan:
+            raise AssertionError(f"pass {queued[0].step} was queued behind the last, but pass {plan.step} came next")
+        if queued is None:
+            self.plans.append(plan)
+        if plan.fed and queued is None:
+            raise AssertionError(f"pass {plan.step} is fed but was not queued behind the pass it reads")
+        if following is not None:
+            if not (self.feeds and following.fed):
+                raise AssertionError("a following pass needs a backend that feeds and a fed plan")
+            result = queued[1] if queued is not None else self._run(plan)
+            drawn = {w.piece.lane: s.token for w, s in zip(plan.work, result.sampled) if s is not None}
+            self.plans.append(following)
+            self._queued = following, self._run(following, drawn)
         if started is not None:
             started()
         if self.fail_at is not None and len(self.plans) == self.fail_at:
@@ -67,10 +85,18 @@ class FakeBackend:
             await trio.sleep(self.pass_seconds)
         else:
             await trio.lowlevel.checkpoint()
+        if following is not None:
+            return result
+        return queued[1] if queued is not None else self._run(plan)
+
+    def _run(self, plan: Plan, drawn: dict[int, int] | None = None) -> PassResult:
+        """Write the plan's tokens into their slots and draw from each lane's context; a fed plan's tokens
+        are `drawn`, by lane."""
         sampled, logprobs, reads = [], [], []
         for work in plan.work:
             piece = work.piece
-            for offset, token in enumerate(piece.tokens):
+            tokens = (drawn[piece.lane],) if plan.fed else piece.tokens
+            for offset, token in enumerate(tokens):
                 self.slots[self._slot(piece.blocks, piece.start + offset)] = token
             context = [self.slots[self._slot(piece.blocks, p)] for p in range(piece.end)]
             sampled.append(self._draw(context, work) if work.sample else None)

@@ -46,6 +46,7 @@ class LaneCore(CacheAdmission):
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
         self.run_ahead = run_ahead  # plan the next decode pass before applying the last (docs/DECISIONS.md)
+        self._feeds = shape.feeds  # the device can queue a decode pass fed by the draws of the one before
         self.max_model_len = shape.max_model_len
         self.lanes: list[Job | None] = [None] * (lanes or shape.lanes)
         self._text = text
@@ -172,7 +173,9 @@ class LaneCore(CacheAdmission):
             self._wake.set()
 
     async def _pass_loop(self) -> BackendFailed | None:
-        ahead = None  # a pass that ran while the one before it was settled: (plan, its jobs, result)
+        # A pass that ran while the one before it was settled: (plan, its jobs, result, the fed pass queued
+        # behind it on the device or None).
+        ahead = None
         while True:
             if ahead is None:
                 self._boundary()
@@ -186,35 +189,47 @@ class LaneCore(CacheAdmission):
                     continue
                 self._step += 1
                 by_lane = {j.lane: j for j in jobs}
+                queued = self._fed_after(plan, by_lane, 1)
                 try:
-                    result = await self._run(plan)
+                    result = await self._run(plan, following=queued)
                 except Exception as error:
                     return self._failed(error)
-            else:
-                plan, by_lane, result = ahead
-                ahead = None
-            following = schedule.lookahead(self._step, plan, result, by_lane, self._stop_ids) if self._steady() else None
+                ahead = plan, by_lane, result, queued
+            plan, by_lane, result, following = ahead
+            ahead = None
+            if following is None and self._steady():
+                following = schedule.lookahead(self._step, plan, result, by_lane, self._stop_ids)
+                self._step += following is not None
             if following is None:
                 self._settle(plan, result, by_lane)
                 continue
-            # The next pass runs on the device while this one's results are applied and delivered.
-            self._step += 1
+            # The next pass runs on the device while this one's results are applied and delivered; where the
+            # device feeds, the one after it is queued behind it first.
+            behind = self._fed_after(following, by_lane, 2, (plan, result))
             started, failure = trio.Event(), None
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._settle_once_started, started, plan, result, by_lane)
                 try:
-                    next_result = await self._run(following, started.set)
+                    next_result = await self._run(following, started.set, behind)
                 except Exception as error:  # kept out of the nursery, which would wrap it in a group
                     failure = error
                 finally:
                     started.set()
             if failure is not None:
                 return self._failed(failure)
-            ahead = following, by_lane, next_result
+            ahead = following, by_lane, next_result, behind
 
-    async def _run(self, plan, started=None):
+    async def _run(self, plan, started=None, following=None):
         with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
-            return await self.backend.step(plan, started)
+            return await self.backend.step(plan, started, following)
+
+    def _fed_after(self, plan, by_lane, unapplied: int, known=None):
+        """The pass to queue behind `plan` on a device that feeds it `plan`'s draws (`schedule.fed_after`)."""
+        if not (self._feeds and self._steady()):
+            return None
+        fed = schedule.fed_after(self._step, plan, by_lane, self._stop_ids, unapplied, known)
+        self._step += fed is not None
+        return fed
 
     def _failed(self, error: Exception) -> BackendFailed:
         failure = BackendFailed(error)
@@ -362,7 +377,8 @@ class LaneCore(CacheAdmission):
                 job.kept = True
                 full = len(job.prompt) // self.pool.block_size
                 self.cache.keep(job.key[: full * self.pool.block_size], job.table.blocks[:full])
-            channel = self._channels.get(job.id)
+            # A decoding stream is sent an event every pass, which finds a closed consumer; others are asked.
+            channel = self._channels.get(job.id) if job.phase is not Phase.DECODE else None
             if channel is not None and channel.statistics().open_receive_channels == 0 and job.outcome is None:
                 job.cancelled = True  # the consumer closed its end
             if job.cancelled or job.outcome is not None:

@@ -24,10 +24,10 @@ class MeteredBackend(BackendWrapper):
         super().__init__(inner)
         self._times = PassTimes(0, 0.0, 0.0, 0.0)
 
-    async def step(self, plan: Plan, started=None) -> PassResult:
+    async def step(self, plan: Plan, started=None, following: Plan | None = None) -> PassResult:
         start = time.perf_counter()
         try:
-            return await self.inner.step(plan, started)
+            return await self.inner.step(plan, started, following)
         finally:
             took = time.perf_counter() - start
             t = self._times

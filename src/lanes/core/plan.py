@@ -31,11 +31,15 @@ class Work:
 
 @dataclass(frozen=True)
 class Plan:
-    """A pass: prompt chunks (at most 16, `prefills` of them, first) and then one decode row a live lane."""
+    """A pass: prompt chunks (at most 16, `prefills` of them, first) and then one decode row a live lane.
+
+    `fed`: every row is a decode row whose token is the one the pass before drew for its lane, read on the
+    device (its pieces hold a stand-in token); only backends whose shape `feeds` are given such plans."""
 
     step: int
     work: tuple[Work, ...]
     prefills: int
+    fed: bool = False
 
     @property
     def pieces(self) -> tuple[Piece, ...]:

@@ -15,7 +15,7 @@ from ..gpu.blocks import BlockTable
 from .media import cache_key
 from .passes import Piece
 from .plan import PassResult, Plan, Sampled, Work
-from .sampling import RowSampling, SamplingParams
+from .sampling import RowSampling, SamplingParams, plain_greedy
 from .stream import Failed, Finished, PromptLogprobs, StreamEvent, TokenEvent, TopLogprob
 
 MAX_PREFILLS = 16
@@ -136,6 +136,38 @@ def lookahead(step: int, plan: Plan, result: PassResult, jobs_by_lane: dict[int,
     return Plan(step, tuple(work), 0) if work else None
 
 
+def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Iterable[int], unapplied: int,
+              known: tuple[Plan, PassResult] | None = None) -> Plan | None:
+    """The pass after `plan`, built before `plan` has run: each stream's decode row again, one position on,
+    its token read on the device from `plan`'s draw (a `fed` plan). None unless every row of `plan` is a
+    stream's plain greedy decode row.
+
+    `unapplied`: the passes whose tokens no job has taken yet, `plan` included (1, or 2 when the pass
+    before `plan` has a result, `known`, that is not applied either). Streams that `known` ends, or that
+    reach their length within those passes, get no row; one that `plan` itself ends runs void (`lookahead`).
+    """
+    if plan.prefills or not plan.work:
+        return None
+    stop_ids = frozenset(stop_ids)
+    ended = set()
+    if known is not None:
+        ended = {w.piece.lane for w, s in zip(known[0].work, known[1].sampled, strict=True)
+                 if s is None or s.token in jobs_by_lane[w.piece.lane].stop_tokens(stop_ids)}
+    if not plan.fed and (any(jobs_by_lane[w.piece.lane].kind != "stream" or w.sample is None or w.targets or w.labels
+                             for w in plan.work) or not plain_greedy([w.sample for w in plan.work])):
+        return None  # (a fed plan's rows were all checked when the first of its chain was built)
+    work = []
+    for w in plan.work:
+        job = jobs_by_lane[w.piece.lane]
+        if job.cancelled or job.outcome is not None or job.lane in ended:
+            continue
+        if len(job.generated) + unapplied >= job.max_new:
+            continue
+        piece = Piece(job.lane, (0,), w.piece.end, w.piece.blocks)  # the token is read on the device
+        work.append(Work(piece, sample=RowSampling(job.lane, job.sampling, len(job.generated) + unapplied)))
+    return Plan(step, tuple(work), 0, fed=True) if work else None
+
+
 def _prompt_work(job: Job, take: int) -> Work:
     start, end = job.done, job.done + take
     final = end == len(job.prompt)
@@ -187,7 +219,7 @@ def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int]) -> list[StreamEv
     token = sampled.token
     job.generated.append(token)
     job.pending = token
-    top = tuple(TopLogprob(t, lp) for t, lp in sampled.top)
+    top = tuple(TopLogprob(t, lp) for t, lp in sampled.top) if sampled.top else ()
     if token in job.stop_tokens(stop_ids):
         # A stop token ends the stream and contributes no text, as OpenAI's servers do.
         return [TokenEvent(token, "", sampled.logprob, top), _finish(job, "stop", job.text.finish())]

@@ -1,9 +1,14 @@
 """The backend a loaded family gives the lane core: one forward over every lane's rows, sampling on the
 device, and one host read-back a pass; run through the device's runner so the event loop never blocks.
+
+On CUDA with captured graphs its shape `feeds`: a fed decode pass is queued behind the running one and
+reads its tokens from that one's draws on the device, and plain greedy passes read back into page-locked
+buffers, so a pass's result is waited for on its own event while the pass behind it runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -14,7 +19,7 @@ from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
 from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
-from ..gpu.transfer import to_host
+from ..gpu.transfer import PinnedRing, to_host
 from .sampling import PenaltyState, RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
 from .sampling import Sampled as SampledTensors
 from .stops import TextAssembler
@@ -40,6 +45,12 @@ class TorchBackend:
         if self.graphs is not None and capture:
             with torch.cuda.stream(runner.torch_stream):
                 self.graphs.capture()
+        feeds = self.graphs is not None and self.graphs.feeds and model.decoder.shard.world == 1
+        self._shape = replace(self._shape, feeds=feeds)
+        # Two passes in flight at most (the one waited for, the one queued behind it); two spare.
+        self._pinned = PinnedRing(4, 2 * lanes) if model.placement.is_cuda else None
+        self._queued: tuple[Plan, _Pending] | None = None  # a pass queued behind the last one stepped
+        self._last_rows: dict[int, int] = {}  # lane -> row of the last fast decode pass launched
 
     @property
     def shape(self) -> BackendShape:
@@ -62,16 +73,40 @@ class TorchBackend:
     async def aclose(self) -> None:
         self.runner.close()
 
-    async def step(self, plan: Plan, started: Callable[[], None] | None = None) -> PassResult:
-        return await self.runner.run(lambda: self.run_pass(plan), started)
+    async def step(self, plan: Plan, started: Callable[[], None] | None = None,
+                   following: Plan | None = None) -> PassResult:
+        return await self.runner.run_launched(lambda: self._launch_step(plan, following), started)
+
+    def _launch_step(self, plan: Plan, following: Plan | None) -> "_Pending":
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[0] is not plan:
+            queued[1].result()  # queued by a lane core that stopped before stepping it: it ran void
+            queued = None
+        pending = queued[1] if queued is not None else self.launch(plan)
+        if following is not None:
+            self._queued = following, self.launch(following)
+        return pending
+
+    def run_pass(self, plan: Plan) -> PassResult:
+        """The pass itself, on the caller's thread (and stream): launched, waited for, read back."""
+        return self.launch(plan).result()
 
     @torch.inference_mode()
-    def run_pass(self, plan: Plan) -> PassResult:
-        """The pass itself, on the runner's thread (and stream): forward, sample, one read-back."""
-        logits, greedy = forward(self.decoder, self.graphs, plan, self.vision)
+    def launch(self, plan: Plan) -> "_Pending":
+        """Put the pass on the current stream: forward, sample, and the read-back of its results."""
+        if plan.fed and not self._shape.feeds:
+            raise ValueError("this backend cannot run fed plans")
+        feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
+        logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
+        if greedy is not None:
+            self._last_rows = {p.lane: row for row, p in enumerate(plan.pieces)}
         if all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and \
                 plain_greedy([w.sample for w in plan.work]):
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
+        return _Pending(self._general_result(plan, logits))
+
+    def _general_result(self, plan: Plan, logits: torch.Tensor) -> Callable[[], PassResult]:
+        """Queue the pass's sampling and reads on the device; returns what reads them back (one sync)."""
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
         offset = 0
@@ -96,7 +131,10 @@ class TorchBackend:
             on_device += prompt_logprobs(logits.index_select(0, index), torch.tensor(targets, device=device), top)
         if labels:
             on_device += self._label_reads(logits, read_rows, labels, device)
-        host = to_host(on_device)  # the pass's one host sync
+        return lambda: self._general_read(plan, rows, bool(targets), bool(labels), to_host(on_device))  # one sync
+
+    def _general_read(self, plan: Plan, rows: list[RowSampling], targets: bool, labels: bool,
+                      host: list[torch.Tensor]) -> PassResult:
         drawn_host = on_host(SampledTensors(*host[:4]), rows) if rows else None
         at = 4 if rows else 0
         prompt = self._prompt_results(plan, host[at : at + 3]) if targets else [None] * len(plan.work)
@@ -111,12 +149,15 @@ class TorchBackend:
             i += 1
         return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
 
-    @staticmethod
-    def _greedy_result(plan: Plan, drawn: torch.Tensor) -> PassResult:
-        """A pass whose every row is plain greedy, from its draws [2, R] float64: one small read-back."""
-        tokens, logprobs = drawn.cpu().tolist()  # the pass's one host sync
-        sampled = tuple(Sampled(int(t), lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
-        return PassResult(sampled, (None,) * len(plan.work))
+    def _greedy_result(self, plan: Plan, drawn: torch.Tensor) -> "_Pending":
+        """A pass whose every row is plain greedy, from its draws [2, R] float64: one small read-back, on
+        CUDA into a page-locked buffer behind which the pass's own event is recorded."""
+        rows = drawn.shape[1]
+        if self._pinned is None:
+            return _Pending(lambda: _greedy_sampled(plan, drawn.tolist()))
+        host = self._pinned.take()[: 2 * rows]
+        host.copy_(drawn.reshape(-1), non_blocking=True)
+        return _Pending(lambda: _greedy_sampled(plan, host.view(2, rows).tolist()), self.runner.record())
 
     @staticmethod
     def _label_reads(logits, read_rows, labels, device) -> list[torch.Tensor]:
@@ -162,20 +203,43 @@ class TorchBackend:
         return out
 
 
+class _Pending:
+    """A launched pass: `result()` waits for its event (if any; else the read blocks) and reads it back."""
+
+    def __init__(self, read: Callable[[], PassResult], event=None) -> None:
+        self._read, self._event = read, event
+
+    @torch.inference_mode()
+    def result(self) -> PassResult:
+        if self._event is not None:
+            self._event.sync()  # this thread sleeps until the GPU has reached the pass's end
+            self._event.close()
+        return self._read()
+
+
+def _greedy_sampled(plan: Plan, drawn: list[list[float]]) -> PassResult:
+    tokens, logprobs = drawn
+    sampled = tuple(Sampled(int(t), lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
+    return PassResult(sampled, (None,) * len(plan.work))
+
+
 def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> DecodeGraphs | None:
     """The fast decode step's buffers (captured later, or not), where the device has it."""
     return DecodeGraphs(model.decoder, lanes, length) if graphs_enabled(model.placement.device, wanted) else None
 
 
-def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None = None,
+            feed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A pass's logits [R, V] (each piece's asked-for rows, in order) and, where a captured graph computed
     them, every row's greedy draw [2, R]: the fast decode step when every piece is one decode row, else
     the general forward.
 
     Tensor-parallel followers call this too, so every rank takes the same path with the same collectives."""
     pieces = plan.pieces
+    if plan.fed and feed is None:
+        raise ValueError(f"pass {plan.step} is fed: its tokens are on the device, in the draws of the pass before")
     if fast is not None and plan.prefills == 0 and fast.fits(pieces):
-        return fast.run(pieces, vision.offsets(pieces) if vision is not None else None)
+        return fast.run(pieces, vision.offsets(pieces) if vision is not None else None, feed)
     return decoder.forward(pieces, vision.pass_media(pieces) if vision is not None else None), None
 
 
