@@ -52,8 +52,7 @@ def main() -> None:
         for t in tables:
             t.reserve(pool, args.context + 1)
         pieces = [Piece(i, (7,), args.context, tuple(t.blocks)) for i, t in enumerate(tables)]
-        graphs._fill(pieces, lanes)
-        graphs._device.copy_(graphs._host)
+        graphs.stage(pieces, lanes)
         inputs = graphs._views(lanes)
         for _ in range(3):
             decoder.decode_step(*inputs)

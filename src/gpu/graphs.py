@@ -18,6 +18,7 @@ import torch
 
 from ..core.passes import Piece
 from ..core.sampling import greedy_draw
+from .transfer import PinnedRing
 from ..progress import Progress
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -35,13 +36,17 @@ class DecodeGraphs:
         self.max_lanes = max_lanes
         n = max_lanes
         # tokens, positions, slots, lengths, feed rows: [5, n]; then tables: [n, width] (int64, one transfer).
-        # Pageable on purpose: pinned memory made the caching host allocator record events on the pass's
-        # stream at free time, which failed (invalid device context) for streams made by cuda-python.
-        self._host = torch.zeros(5 * n + n * self.width, dtype=torch.int64)
-        self._host_np = self._host.numpy()
-        self._device = torch.zeros_like(self._host, device=decoder.device)
+        # On CUDA staged in page-locked buffers taken in turn: the copy of a pass queued behind the running
+        # one may not have run when the next pass is packed (three: two passes in flight at most).
+        total = 5 * n + n * self.width
+        staging = PinnedRing(3, total, torch.int64) if decoder.device.type == "cuda" else None
+        self._hosts = [staging.take() for _ in range(3)] if staging is not None else [torch.zeros(total, dtype=torch.int64)]
+        for host in self._hosts:
+            host.zero_()
+        self._turn = 0
+        self._device = torch.zeros(total, dtype=torch.int64, device=decoder.device)
         self._drawn_tokens = torch.zeros(n, dtype=torch.int64, device=decoder.device)  # the last replay's draws
-        self._rows: list[tuple[int, ...] | None] = [None] * n  # the blocks each table row of `_host` holds
+        self._rows = [[None] * n for _ in self._hosts]  # the blocks each table row of each buffer holds
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [size, V], greedy draws [2, size]
 
@@ -63,9 +68,18 @@ class DecodeGraphs:
         self._drawn_tokens[:size].copy_(drawn[0])  # read after the fed rows above, in stream order
         return logits, drawn
 
-    def _fill(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None,
+    def stage(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None,
               feed: Sequence[int] | None = None) -> None:
-        n, host, bs, used = self.max_lanes, self._host_np, self.block_size, len(pieces)
+        """Pack the pass's inputs for a bucket of `size` rows into the next staging buffer and copy them to
+        the device on the current stream (one transfer)."""
+        staged = self._hosts[self._turn]
+        self._fill(staged.numpy(), self._rows[self._turn], pieces, size, offsets, feed)
+        self._turn = (self._turn + 1) % len(self._hosts)
+        self._device.copy_(staged, non_blocking=True)
+
+    def _fill(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], size: int,
+              offsets: Sequence[int] | None = None, feed: Sequence[int] | None = None) -> None:
+        n, bs, used = self.max_lanes, self.block_size, len(pieces)
         scratch = self.decoder.kv.scratch_block
         starts = np.fromiter((p.start for p in pieces), np.int64, used)
         host[0:used] = np.fromiter((p.tokens[0] for p in pieces), np.int64, used)
@@ -79,10 +93,10 @@ class DecodeGraphs:
         tables = host[5 * n :].reshape(n, self.width)
         for row in range(size):  # a row's table is rewritten only when its blocks change (rarely, in decode)
             blocks = pieces[row].blocks if row < used else ()
-            if self._rows[row] != blocks:
+            if cached[row] != blocks:
                 tables[row] = scratch
                 tables[row, : len(blocks)] = blocks
-                self._rows[row] = blocks
+                cached[row] = blocks
 
     def capture(self, quiet: bool = False) -> None:
         """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line."""
@@ -125,12 +139,10 @@ class DecodeGraphs:
         if not self._graphs:
             if feed is not None:
                 raise ValueError("fed rows need captured graphs")
-            self._fill(pieces, n, offsets)
-            self._device.copy_(self._host)
+            self.stage(pieces, n, offsets)
             return self.decoder.decode_step(*self._views(n)), None
         size = next(b for b in self.buckets if b >= n)
-        self._fill(pieces, size, offsets, feed)
-        self._device.copy_(self._host)  # one small transfer, ordered on the pass's stream
+        self.stage(pieces, size, offsets, feed)
         self._graphs[size].replay()
         logits, drawn = self._outputs[size]
         return logits[:n], drawn[:, :n]

@@ -38,31 +38,36 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class PinnedRing:
-    """Page-locked host buffers of float64 that device-to-host copies fill without blocking the thread,
-    taken in turn (each in-flight pass reads back into its own).
+    """Page-locked host buffers that copies to and from the device use without blocking the thread, taken
+    in turn (each in-flight pass has its own).
 
     Allocated by the CUDA driver rather than torch's caching host allocator, which records events on the
     copying stream when its blocks are freed, and failed doing so for streams made by cuda-python. Never
-    freed: a few kilobytes, alive as long as a copy into them might be.
+    freed: a few hundred kilobytes, alive as long as a copy into or out of them might be.
     """
 
-    def __init__(self, slots: int, numel: int) -> None:
+    def __init__(self, slots: int, numel: int, dtype=torch.float64) -> None:
         import ctypes
 
         import numpy as np
         from cuda.bindings import driver
 
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self._views = []
         for _ in range(slots):
-            err, pointer = driver.cuMemHostAlloc(numel * 8, 0)
+            err, pointer = driver.cuMemHostAlloc(nbytes, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemHostAlloc of {numel * 8} bytes failed: {err}")
-            array = np.ctypeslib.as_array((ctypes.c_double * numel).from_address(int(pointer)))
-            self._views.append(torch.from_numpy(array))
+                raise RuntimeError(f"cuMemHostAlloc of {nbytes} bytes failed: {err}")
+            raw = np.frombuffer((ctypes.c_byte * nbytes).from_address(int(pointer)), dtype=np.uint8)
+            self._views.append(torch.from_numpy(raw).view(dtype))
         self._next = 0
 
+    @property
+    def slots(self) -> int:
+        return len(self._views)
+
     def take(self) -> torch.Tensor:
-        """The next buffer [numel] float64 (the one used `slots` takes ago)."""
+        """The next buffer [numel] (the one used `slots` takes ago)."""
         view = self._views[self._next]
         self._next = (self._next + 1) % len(self._views)
         return view
