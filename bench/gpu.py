@@ -207,6 +207,33 @@ def step_times(backend, lanes: int, context: int) -> tuple[float, float]:
     return statistics.median(replays), whole
 
 
+def prompt_time(backend, prompts: int, length: int) -> float:
+    """Seconds a whole pass of `prompts` fresh prompts of `length` tokens takes (host clock, as a step)."""
+    from lanes.core.passes import Piece
+    from lanes.core.plan import Plan, Work
+    from lanes.core.sampling import RowSampling
+    from lanes.gpu.blocks import BlockPool, BlockTable
+
+    pool = BlockPool(backend.shape.blocks)
+    tables = [BlockTable(("lane", i)) for i in range(prompts)]
+    for t in tables:
+        t.reserve(pool, length + 1)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    work = tuple(Work(Piece(i, tuple(range(7, 7 + length)), 0, tuple(t.blocks)), sample=RowSampling(i, greedy, 0))
+                 for i, t in enumerate(tables))
+    plan = Plan(0, work, prompts)
+    with torch.cuda.stream(backend.runner.torch_stream):
+        for _ in range(3):
+            backend.run_pass(plan)
+        began = time.perf_counter()
+        for _ in range(10):
+            backend.run_pass(plan)
+        took = (time.perf_counter() - began) / 10
+    for t in tables:
+        t.clear(pool)
+    return took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="1,16,64")
@@ -224,6 +251,7 @@ def main() -> None:
     most = max(counts)
     rows: list[tuple[str, int, float, float]] = []
     steps: list[tuple[int, float, float]] = []
+    prompt_passes: dict[tuple[int, bool], float] = {}  # (prompts, graphs) -> seconds a pass
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         say("building the model ...")
@@ -255,6 +283,8 @@ def main() -> None:
                 for n in counts:
                     replay, whole = step_times(backend, n, args.prompt + args.new // 2)
                     steps.append((n, replay, whole))
+            for n in (1, 16):
+                prompt_passes[n, graphs] = prompt_time(backend, min(n, most), args.prompt)
         if not args.quick:
             for n in counts:
                 measure("generate()", n, lambda: run_generate(reference, prompts[:n], args.new))
@@ -278,6 +308,10 @@ def main() -> None:
     print(f"\n{'one decode step':<18} {'lanes':>7} {'graph ms':>9} {'pass ms':>8} {'graph tok/s':>12} {'pass tok/s':>11}")
     for n, replay, whole in steps:
         print(f"{'':<18} {n:>7} {replay * 1e3:>9.3f} {whole * 1e3:>8.3f} {n / replay:>12.0f} {n / whole:>11.0f}")
+    print(f"\n{'one prompt pass':<18} {'prompts':>7} {'graph ms':>9} {'eager ms':>8} {'eager/graph':>12}")
+    for n in (1, 16):
+        graph, eager = prompt_passes[n, True], prompt_passes[n, False]
+        print(f"{'':<18} {min(n, most):>7} {graph * 1e3:>9.3f} {eager * 1e3:>8.3f} {eager / graph:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,59 @@ def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     for t in tables:
         t.clear(pool)
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("dtype, captured", [("fp32", True), ("bf16", True), ("fp32", False)])
+def test_passes_with_short_prompts_equal_the_general_forward(dtype, captured, tmp_path):
+    """Prompts (a whole one, a first chunk without logits, its next chunk) beside decode rows, in one
+    graph: the asked-for rows' logits equal the general forward's, and decoding on goes on agreeing."""
+    from lanes.core.sampling import greedy_draw
+    from lanes.gpu.graphs import DecodeGraphs
+
+    if captured and DEVICE != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tiny.build("qwen2", tmp_path)
+    model = load_model(tmp_path, choose(DEVICE, dtype), kv_blocks=64, quiet=True)
+    graphs = DecodeGraphs(model.decoder, max_lanes=8, max_model_len=128, prompt_rows=40)
+    assert graphs.buckets[-1] == 40
+    if captured:
+        graphs.capture(quiet=True)
+    pool, tables, lengths, tokens = lanes_after_prefill(model, [5, 17])
+    for lane in (2, 3):
+        tables.append(BlockTable(("lane", lane)))
+        tables[-1].reserve(pool, 40)
+    g = torch.Generator().manual_seed(9)
+    fresh, long = (torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 20))
+
+    def compare(pieces):
+        eager = model.decoder.forward(pieces).float()
+        fast, drawn = graphs.run(pieces)
+        assert fast.shape == eager.shape
+        if captured:
+            assert torch.equal(drawn.clone(), greedy_draw(fast))
+        fast = fast.float().clone()
+        if dtype == "fp32":
+            torch.testing.assert_close(fast, eager, rtol=0, atol=1e-4)
+        else:
+            assert ((fast - eager).norm() / eager.norm()).item() < 2e-2
+        return eager.argmax(-1).tolist(), fast.argmax(-1).tolist()
+
+    decode = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
+    first = [Piece(2, tuple(fresh), 0, tuple(tables[2].blocks)), Piece(3, tuple(long[:12]), 0, tuple(tables[3].blocks), "none")]
+    assert graphs.fits(first + decode)
+    eager, fast = compare(first + decode)
+    agree = eager == fast
+    tokens, lengths = eager[1:] + [eager[0]], [n + 1 for n in lengths] + [len(fresh)]
+    second = [Piece(3, tuple(long[12:]), 12, tuple(tables[3].blocks))]
+    for step in range(4):
+        pieces = [Piece(i, (tok,), n, tuple(tables[i].blocks)) for i, tok, n in zip((0, 1, 2), tokens, lengths)]
+        eager, fast = compare((second if step == 0 else []) + pieces)
+        agree += eager == fast
+        tokens, lengths = eager[-3:], [n + 1 for n in lengths]
+    assert agree == 5 if dtype == "fp32" else agree >= 3
+    assert not graphs.fits([Piece(0, tuple(long), 0, tuple(tables[3].blocks), "all")])  # prompt logprobs: general
+    assert not graphs.fits([Piece(0, (1,) * 41, 0, tuple(tables[3].blocks) * 2)])  # more rows than the largest bucket
+    for t in tables:
+        t.clear(pool)
+    pool.check_integrity()

@@ -61,6 +61,44 @@ def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hk
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prompts", [[(0, 5)], [(3, 17), (0, 1), (30, 40)]])
+def test_prompt_rows_sharing_a_table_row_attend_causally(dtype, prompts):
+    """Each (start, count) prompt is `count` query rows of one lane reading one table row, row i seeing
+    positions up to start + i: the causal attention of the general forward's prompt rows."""
+    g = torch.Generator().manual_seed(len(prompts))
+    hq, hkv, d, blocks = 8, 2, 32, 32
+    cache_k = torch.randn(blocks * 16, hkv, d, generator=g).to(DEVICE, dtype)
+    cache_v = torch.randn(blocks * 16, hkv, d, generator=g).to(DEVICE, dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, spans, lens, table_rows, at = [], [], [], [], 0
+    for lane, (start, count) in enumerate(prompts):
+        need = -(-(start + count) // 16)
+        tables.append(perm[at : at + need])
+        spans.append(RowSpan(start, count, perm[at : at + need]))
+        lens += range(start + 1, start + count + 1)
+        table_rows += [lane] * count
+        at += need
+    width = max(len(t) for t in tables) + 1  # a spare column: a row never reads past its own length
+    table = torch.tensor([t + [perm[-1]] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), hq, d, generator=g).to(DEVICE, dtype)
+    mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                          d**-0.5, 16, tile=16, table_rows=torch.tensor(table_rows, device=DEVICE))
+    ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), PagedRows.build(spans, 16, torch.device(DEVICE)), d**-0.5)
+    close(mine, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_of_picked_rows_is_those_rows_of_the_whole(dtype):
+    g = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(9, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(64, generator=g)).to(DEVICE, dtype)
+    rows = torch.tensor([8, 0, 3, 3], device=DEVICE)
+    whole, whole_res = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    picked, picked_res = kernels.add_rms_norm(x, residual, weight, 1e-6, rows=rows)
+    assert torch.equal(picked, whole[rows]) and torch.equal(picked_res, whole_res[rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, cols, with_residual", [(1, 896, True), (7, 64, False), (64, 576, True), (3, 100, True)])
 def test_add_rms_norm_equals_eager(dtype, rows, cols, with_residual):
     g = torch.Generator().manual_seed(rows + cols)

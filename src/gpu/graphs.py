@@ -1,9 +1,11 @@
-"""Decode passes as CUDA graphs: one graph a batch-size bucket, captured once at start-up, replayed a pass.
+"""Passes as CUDA graphs: one graph a row-count bucket, captured once at start-up, replayed a pass.
 
-Each graph runs the decoder's fast decode step (`Decoder.decode_step`: Triton kernels, paged attention
-reading block tables on the device) on static input buffers. A pass packs its lanes' token ids,
-positions, slots, lengths, feed rows and block tables into one host buffer, copies it to the device in
-one transfer, and replays the smallest bucket that holds it; padding rows write only the scratch block.
+Each graph runs the decoder's fast step (`Decoder.decode_step`: Triton kernels, paged attention reading
+block tables on the device) on static input buffers. A pass packs its rows' token ids, positions,
+slots, lengths, feed rows and table rows, its logit rows and its lanes' block tables into one host
+buffer, copies it to the device in one transfer, and replays the smallest bucket that holds it; padding
+rows write only the scratch block. Decode rows are one a lane; a pass may also carry short prompts,
+whose rows attend causally through their lane's table (their Python cost eagerly is ~15 ms a pass).
 Every graph leaves its greedy draws in one device buffer, where a row with a feed row reads its token
 (a `fed` plan: the pass is queued before the host has seen the draws of the one before it).
 """
@@ -21,24 +23,33 @@ from ..core.sampling import greedy_draw
 from .transfer import PinnedRing
 from ..progress import Progress
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode passes: one row a lane
+ROW_BUCKETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560)  # passes that carry prompt rows
+PROMPT_ROWS = 2560  # 16 prompts of 128 tokens beside 64 decode rows, and some room
+# Prompt rows read their context one row at a time (no reuse across a prompt's rows, as a prefill
+# kernel has): past this many context tokens read in a pass, the general forward's attention is cheaper.
+PROMPT_ATTENTION = 1 << 19
 
 
 class DecodeGraphs:
-    """Captured decode steps for every bucket up to `max_lanes` lanes (on the decoder's device)."""
+    """Captured steps for every bucket up to `max_lanes` decode rows, and with `prompt_rows` also for
+    passes of up to that many rows that carry short prompts (their rows attend causally through the
+    lane's table row, and only the rows whose logits are asked for reach the head)."""
 
-    def __init__(self, decoder, max_lanes: int, max_model_len: int) -> None:
+    def __init__(self, decoder, max_lanes: int, max_model_len: int, prompt_rows: int = 0) -> None:
         self.decoder = decoder
         kv = decoder.kv
         self.block_size = kv.shape.block_size
         self.width = -(-max_model_len // self.block_size)  # blocks in a table row
         self.buckets = [b for b in BUCKETS if b < max_lanes] + [max_lanes]
-        self.max_lanes = max_lanes
-        n = max_lanes
-        # tokens, positions, slots, lengths, feed rows: [5, n]; then tables: [n, width] (int64, one transfer).
-        # On CUDA staged in page-locked buffers taken in turn: the copy of a pass queued behind the running
-        # one may not have run when the next pass is packed (three: two passes in flight at most).
-        total = 5 * n + n * self.width
+        if prompt_rows > max_lanes:
+            self.buckets += [b for b in ROW_BUCKETS if max_lanes < b < prompt_rows] + [prompt_rows]
+        self.max_lanes, self.max_rows, self.prompts = max_lanes, self.buckets[-1], prompt_rows > 0
+        r, n = self.max_rows, max_lanes
+        # Rows (tokens, positions, slots, lengths, feed rows, table rows): [6, r]; logit rows [n]; tables
+        # [n, width] (int64, one transfer). On CUDA staged in page-locked buffers taken in turn: the copy of a
+        # pass queued behind the running one may not have run when the next is packed (two in flight at most).
+        total = 6 * r + n + n * self.width
         staging = PinnedRing(3, total, torch.int64) if decoder.device.type == "cuda" else None
         self._hosts = [staging.take() for _ in range(3)] if staging is not None else [torch.zeros(total, dtype=torch.int64)]
         for host in self._hosts:
@@ -47,25 +58,29 @@ class DecodeGraphs:
         self._device = torch.zeros(total, dtype=torch.int64, device=decoder.device)
         self._drawn_tokens = torch.zeros(n, dtype=torch.int64, device=decoder.device)  # the last replay's draws
         self._rows = [[None] * n for _ in self._hosts]  # the blocks each table row of each buffer holds
+        self._count = np.arange(r, dtype=np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [size, V], greedy draws [2, size]
 
-    def _views(self, size: int):
-        n, d = self.max_lanes, self._device
-        tables = d[5 * n :].view(n, self.width)
-        return d[0:size], d[n : n + size], d[2 * n : 2 * n + size], d[3 * n : 3 * n + size], tables[:size]
+    def _views(self, size: int, outputs: int | None = None):
+        """decode_step's inputs for a bucket of `size` rows; `outputs` logit rows (default: as many as fit)."""
+        r, n, d = self.max_rows, self.max_lanes, self._device
+        rows = [d[i * r : i * r + size] for i in (0, 1, 2, 3)]
+        tables = d[6 * r + n :].view(n, self.width)
+        logit_rows = d[6 * r : 6 * r + (min(size, n) if outputs is None else outputs)]
+        return (*rows, tables, d[5 * r : 5 * r + size], logit_rows)
 
     def _feed_rows(self, size: int) -> torch.Tensor:
-        return self._device[4 * self.max_lanes : 4 * self.max_lanes + size]
+        return self._device[4 * self.max_rows : 4 * self.max_rows + size]
 
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured work of a bucket: tokens (fed rows from the last draws), the step, the greedy draw."""
-        tokens, positions, slots, lens, tables = self._views(size)
+        tokens, *rest = self._views(size)
         feed = self._feed_rows(size)
         tokens = torch.where(feed >= 0, self._drawn_tokens.index_select(0, feed.clamp(min=0)), tokens)
-        logits = self.decoder.decode_step(tokens, positions, slots, lens, tables)
+        logits = self.decoder.decode_step(tokens, *rest)
         drawn = greedy_draw(logits)  # the draw costs two small kernels a pass
-        self._drawn_tokens[:size].copy_(drawn[0])  # read after the fed rows above, in stream order
+        self._drawn_tokens[: drawn.shape[1]].copy_(drawn[0])  # read after the fed rows above, in stream order
         return logits, drawn
 
     def stage(self, pieces: Sequence[Piece], size: int, offsets: Sequence[int] | None = None,
@@ -73,26 +88,61 @@ class DecodeGraphs:
         """Pack the pass's inputs for a bucket of `size` rows into the next staging buffer and copy them to
         the device on the current stream (one transfer)."""
         staged = self._hosts[self._turn]
-        self._fill(staged.numpy(), self._rows[self._turn], pieces, size, offsets, feed)
+        if all(len(p.tokens) == 1 for p in pieces):
+            self._fill(staged.numpy(), self._rows[self._turn], pieces, size, offsets, feed)
+        else:
+            self._fill_prompts(staged.numpy(), self._rows[self._turn], pieces, size, offsets)
         self._turn = (self._turn + 1) % len(self._hosts)
         self._device.copy_(staged, non_blocking=True)
 
     def _fill(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], size: int,
               offsets: Sequence[int] | None = None, feed: Sequence[int] | None = None) -> None:
-        n, bs, used = self.max_lanes, self.block_size, len(pieces)
+        """Decode rows, one a piece (the hot path: a few vectorised writes)."""
+        r, bs, used = self.max_rows, self.block_size, len(pieces)
         scratch = self.decoder.kv.scratch_block
         starts = np.fromiter((p.start for p in pieces), np.int64, used)
         host[0:used] = np.fromiter((p.tokens[0] for p in pieces), np.int64, used)
-        host[n : n + used] = starts if offsets is None else starts + np.asarray(offsets)  # M-RoPE streams rotate past their grids
-        host[2 * n : 2 * n + used] = np.fromiter((p.blocks[p.start // bs] * bs + p.start % bs for p in pieces), np.int64, used)
-        host[3 * n : 3 * n + used] = starts + 1
-        host[4 * n : 4 * n + used] = -1 if feed is None else feed
+        host[r : r + used] = starts if offsets is None else starts + np.asarray(offsets)  # M-RoPE streams rotate past their grids
+        host[2 * r : 2 * r + used] = np.fromiter((p.blocks[p.start // bs] * bs + p.start % bs for p in pieces), np.int64, used)
+        host[3 * r : 3 * r + used] = starts + 1
+        host[4 * r : 4 * r + used] = -1 if feed is None else feed
         # Padding rows: token 0 at position 0, one token of context, in the scratch block; no feed.
-        host[used:size], host[n + used : n + size], host[2 * n + used : 2 * n + size] = 0, 0, scratch * bs
-        host[3 * n + used : 3 * n + size], host[4 * n + used : 4 * n + size] = 1, -1
-        tables = host[5 * n :].reshape(n, self.width)
-        for row in range(size):  # a row's table is rewritten only when its blocks change (rarely, in decode)
-            blocks = pieces[row].blocks if row < used else ()
+        host[used:size], host[r + used : r + size], host[2 * r + used : 2 * r + size] = 0, 0, scratch * bs
+        host[3 * r + used : 3 * r + size], host[4 * r + used : 4 * r + size] = 1, -1
+        host[5 * r : 5 * r + size] = self._count[:size]  # every row its own table row
+        host[6 * r : 6 * r + min(size, self.max_lanes)] = self._count[: min(size, self.max_lanes)]
+        self._tables(host, cached, pieces, size)
+
+    def _fill_prompts(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], size: int,
+                      offsets: Sequence[int] | None = None) -> None:
+        """Rows of prompts and decode rows: a piece's rows share its table row; the head reads each
+        piece's last row where its logits are asked for."""
+        r, n, bs = self.max_rows, self.max_lanes, self.block_size
+        at = out = 0
+        for i, p in enumerate(pieces):
+            k, positions = len(p.tokens), np.arange(p.start, p.end, dtype=np.int64)
+            host[at : at + k] = p.tokens
+            host[r + at : r + at + k] = positions if offsets is None else positions + offsets[i]
+            host[2 * r + at : 2 * r + at + k] = np.asarray(p.blocks, dtype=np.int64)[positions // bs] * bs + positions % bs
+            host[3 * r + at : 3 * r + at + k] = positions + 1
+            host[5 * r + at : 5 * r + at + k] = i
+            if p.logits == "last":
+                host[6 * r + out] = at + k - 1
+                out += 1
+            at += k
+        host[4 * r : 4 * r + size] = -1
+        scratch = self.decoder.kv.scratch_block
+        host[at:size], host[r + at : r + size], host[2 * r + at : 2 * r + size] = 0, 0, scratch * bs
+        host[3 * r + at : 3 * r + size], host[5 * r + at : 5 * r + size] = 1, 0  # padding: the scratch slot
+        host[6 * r + out : 6 * r + min(size, n)] = 0
+        self._tables(host, cached, pieces, len(pieces))
+
+    def _tables(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], count: int) -> None:
+        """Table rows 0..count: a row is rewritten only when its blocks change (rarely, in decode)."""
+        r, n, scratch = self.max_rows, self.max_lanes, self.decoder.kv.scratch_block
+        tables = host[6 * r + n :].reshape(n, self.width)
+        for row in range(count):
+            blocks = pieces[row].blocks if row < len(pieces) else ()
             if cached[row] != blocks:
                 tables[row] = scratch
                 tables[row, : len(blocks)] = blocks
@@ -117,8 +167,20 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
 
     def fits(self, pieces: Sequence[Piece]) -> bool:
-        return 0 < len(pieces) <= self.max_lanes and all(
-            len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces)
+        """Decode rows, one a lane; or, with prompts, up to `max_rows` rows whose prompts are short enough."""
+        if not 0 < len(pieces) <= self.max_lanes:
+            return False
+        if all(len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces):
+            return True
+        if not self.prompts:
+            return False
+        rows = attention = 0
+        for p in pieces:
+            if p.logits == "all" or len(p.blocks) > self.width:
+                return False
+            rows += len(p.tokens)
+            attention += len(p.tokens) * p.end if len(p.tokens) > 1 else 0
+        return rows <= self.max_rows and attention <= PROMPT_ATTENTION
 
     @property
     def feeds(self) -> bool:
@@ -127,25 +189,27 @@ class DecodeGraphs:
 
     def run(self, pieces: Sequence[Piece], offsets: Sequence[int] | None = None,
             feed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the smallest bucket holding `pieces` (decode rows): logits [len(pieces), vocab] and every
-        row's greedy draw [2, len(pieces)] (`sampling.greedy_draw`), computed inside the graph.
+        """Replay the smallest bucket holding `pieces` (`fits`): logits [R, vocab] of the rows whose logits
+        are asked for (each "last" piece's last row, in order) and their greedy draws [2, R]
+        (`sampling.greedy_draw`), computed inside the graph.
 
         `feed`: for each row, the row of the last replay whose draw is its token (that replay may still be
         running; its pieces' tokens are then not read). Not captured (tensor-parallel ranks: their
         collectives stay outside graphs), the same step runs eagerly on exactly the pieces' rows, so its
         collectives have the shapes `Decoder.forward`'s would, and the draw is None (the caller draws).
-        `offsets`: each row's rotary position over its index (M-RoPE)."""
-        n = len(pieces)
+        `offsets`: each piece's rotary position over its index (M-RoPE decode rows)."""
+        rows = sum(len(p.tokens) for p in pieces)
+        outputs = sum(p.logits == "last" for p in pieces)
         if not self._graphs:
             if feed is not None:
                 raise ValueError("fed rows need captured graphs")
-            self.stage(pieces, n, offsets)
-            return self.decoder.decode_step(*self._views(n)), None
-        size = next(b for b in self.buckets if b >= n)
+            self.stage(pieces, rows, offsets)
+            return self.decoder.decode_step(*self._views(rows, outputs)), None
+        size = next(b for b in self.buckets if b >= rows)
         self.stage(pieces, size, offsets, feed)
         self._graphs[size].replay()
         logits, drawn = self._outputs[size]
-        return logits[:n], drawn[:, :n]
+        return logits[:outputs], drawn[:, :outputs]
 
 
 class _Null:

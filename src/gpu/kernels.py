@@ -17,13 +17,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total, acc,
+def _attend_tile(q, k_ptr, v_ptr, tables_ptr, table, kv_head, start, length, scale, best, total, acc,
                  kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                  IEEE: tl.constexpr):
     """One tile of a lane's context on the tensor cores: scores, the online softmax, the weighted values."""
     positions = start + tl.arange(0, TILE)
     valid = positions < length
-    blocks = tl.load(tables_ptr + lane * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0)
+    blocks = tl.load(tables_ptr + table * tables_stride + positions // BLOCK_SIZE, mask=valid, other=0)
     slots = blocks.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
     kv_mask = valid[:, None] & dim_ok[None, :]
     k = tl.load(k_ptr + slots[:, None] * kv_stride_s + kv_head * kv_stride_h + dims[None, :], mask=kv_mask, other=0.0)
@@ -47,12 +47,12 @@ def _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scal
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_ptr, tables_ptr, lens_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_ptr, tables_ptr, table_rows_ptr, lens_ptr, scale,
                          q_stride_b, q_stride_h, kv_stride_s, kv_stride_h, out_stride_b, out_stride_h, tables_stride,
                          MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
-                         LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr):
-    lane = tl.program_id(0)
+                         LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr, TABLE_ROWS: tl.constexpr):
+    lane = tl.program_id(0)  # a query row; its table row is its own, or (prompt rows of one lane) a shared one
     kv_head = tl.program_id(1)
     split = tl.program_id(2)  # this program's share of the context: tiles split, split + SPLITS, ...
     rows = tl.arange(0, GROUP_PAD)  # the query heads that share this KV head
@@ -63,6 +63,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_
     q = tl.load(q_ptr + lane * q_stride_b + q_heads[:, None] * q_stride_h + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [GROUP_PAD, BLOCK_D], the cache's dtype
     length = tl.load(lens_ptr + lane)
+    table = tl.load(table_rows_ptr + lane) if TABLE_ROWS else lane
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -70,12 +71,12 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_
     # Triton's interpreter cannot bound a loop by a loaded value, so there it runs to the table's end.
     if LOOP_TO_LENGTH:
         for start in range(split * TILE, length, SPLITS * TILE):
-            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
+            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, table, kv_head, start, length, scale, best, total,
                                             acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
                                             IEEE)
     else:
         for start in range(split * TILE, MAX_TOKENS, SPLITS * TILE):
-            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, lane, kv_head, start, length, scale, best, total,
+            best, total, acc = _attend_tile(q, k_ptr, v_ptr, tables_ptr, table, kv_head, start, length, scale, best, total,
                                             acc, kv_stride_s, kv_stride_h, tables_stride, dims, dim_ok, BLOCK_SIZE, TILE,
                                             IEEE)
     if SPLITS == 1:
@@ -127,11 +128,12 @@ def context_splits(lanes: int, kv_heads: int, max_tokens: int, tile: int) -> int
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None,
-                           tile: int = 64, splits: int | None = None) -> torch.Tensor:
-    """One query row a lane over its whole context, read through its block table.
+                           tile: int = 64, splits: int | None = None, table_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query row over its whole context, read through its block table.
 
     q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
-    lens: [B] int32 context lengths (the new row included) -> [B, Hq, D]. With few lanes the context is
+    lens: [B] int32 context lengths (the new row included) -> [B, Hq, D]. `table_rows` [B]: the row of
+    `tables` each query row reads (rows of one lane's prompt share it); by default its own. With few lanes the context is
     split over several programs (`context_splits`) whose partial softmaxes a second kernel combines.
     """
     lanes, hq, d = q.shape
@@ -146,11 +148,12 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     part_acc = torch.empty(parts, group_pad, block_d, device=q.device, dtype=torch.float32)
     part_stats = torch.empty(parts, 2, group_pad, device=q.device, dtype=torch.float32)
     _paged_decode_kernel[(lanes, hkv, splits)](
-        q, cache_k, cache_v, out, part_acc, part_stats, tables, lens, scale,
+        q, cache_k, cache_v, out, part_acc, part_stats, tables, table_rows if table_rows is not None else lens, lens, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         # float32 caches get exact float32 products; so does the interpreter, which has no bf16 matmul.
         MAX_TOKENS=max_tokens, LOOP_TO_LENGTH=not INTERPRETED, IEEE=cache_k.dtype == torch.float32 or INTERPRETED,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
+        TABLE_ROWS=table_rows is not None,
     )
     if splits > 1:
         _combine_splits_kernel[(lanes, hkv)](part_acc, part_stats, out, out.stride(0), out.stride(1),
@@ -160,14 +163,16 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, res_out_ptr, eps, n_cols,
-                         x_stride, res_stride, out_stride, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, rows_ptr, out_ptr, res_out_ptr, eps, n_cols,
+                         x_stride, res_stride, out_stride, HAS_RESIDUAL: tl.constexpr, PICKED: tl.constexpr,
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    source = tl.load(rows_ptr + row) if PICKED else row  # with picked rows, output row i is input row rows[i]
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+    x = tl.load(x_ptr + source * x_stride + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(residual_ptr + row * res_stride + cols, mask=ok, other=0.0).to(tl.float32))
+        x = (x.to(tl.float32) + tl.load(residual_ptr + source * res_stride + cols, mask=ok, other=0.0).to(tl.float32))
         x = x.to(res_out_ptr.dtype.element_ty)  # the eager path adds in the model dtype
     tl.store(res_out_ptr + row * res_stride + cols, x, mask=ok)
     x32 = x.to(tl.float32)
@@ -178,18 +183,21 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, res_out_ptr, 
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual_out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); with no residual, x itself is the new residual.
 
     x, residual: [T, H] -> ([T, H], [T, H]). `residual_out` may be `residual` (updated in place).
+    `rows` [R] int64: only those rows, in that order -> ([R, H], [R, H]) (the last norm before the head).
     """
-    rows, cols = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual_out is None else residual_out
-    _add_rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, res_out, eps, cols,
+    count, cols = x.shape if rows is None else (rows.shape[0], x.shape[1])
+    out = x.new_empty(count, cols)
+    res_out = x.new_empty(count, cols) if residual_out is None else residual_out
+    if residual is not None and residual.stride(0) != res_out.stride(0):
+        raise ValueError("the residual and its output need the same row stride")
+    _add_rms_norm_kernel[(count,)](
+        x, residual if residual is not None else x, weight, rows if rows is not None else x, out, res_out, eps, cols,
         x.stride(0), res_out.stride(0), out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        HAS_RESIDUAL=residual is not None, PICKED=rows is not None, BLOCK=triton.next_power_of_2(cols),
     )
     return out, res_out
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..gpu.device import CpuRunner, CudaRunner
-from ..gpu.graphs import DecodeGraphs, graphs_enabled
+from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled
 from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
@@ -98,8 +98,8 @@ class TorchBackend:
             raise ValueError("this backend cannot run fed plans")
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
-        if greedy is not None:
-            self._last_rows = {p.lane: row for row, p in enumerate(plan.pieces)}
+        if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
+            self._last_rows = {p.lane: row for row, p in enumerate(p for p in plan.pieces if p.logits == "last")}
         if all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and \
                 plain_greedy([w.sample for w in plan.work]):
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
@@ -225,20 +225,24 @@ def _greedy_sampled(plan: Plan, drawn: list[list[float]]) -> PassResult:
 
 def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> DecodeGraphs | None:
     """The fast decode step's buffers (captured later, or not), where the device has it."""
-    return DecodeGraphs(model.decoder, lanes, length) if graphs_enabled(model.placement.device, wanted) else None
+    if not graphs_enabled(model.placement.device, wanted):
+        return None
+    # Tensor-parallel ranks run uncaptured, on exactly the general forward's shapes: decode rows only.
+    return DecodeGraphs(model.decoder, lanes, length, PROMPT_ROWS if model.decoder.shard.world == 1 else 0)
 
 
 def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None = None,
             feed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A pass's logits [R, V] (each piece's asked-for rows, in order) and, where a captured graph computed
-    them, every row's greedy draw [2, R]: the fast decode step when every piece is one decode row, else
-    the general forward.
+    them, every row's greedy draw [2, R]: the fast step when the pass fits it (decode rows, and short
+    prompts without media), else the general forward.
 
     Tensor-parallel followers call this too, so every rank takes the same path with the same collectives."""
     pieces = plan.pieces
     if plan.fed and feed is None:
         raise ValueError(f"pass {plan.step} is fed: its tokens are on the device, in the draws of the pass before")
-    if fast is not None and plan.prefills == 0 and fast.fits(pieces):
+    media = vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills])
+    if fast is not None and not media and fast.fits(pieces):
         return fast.run(pieces, vision.offsets(pieces) if vision is not None else None, feed)
     return decoder.forward(pieces, vision.pass_media(pieces) if vision is not None else None), None
 

@@ -1,6 +1,6 @@
-"""The decode step of the fast path: one row a lane, nine launches a layer, static shapes for CUDA graphs.
+"""The fast step: decode rows (and short prompts' rows), nine launches a layer, static shapes for CUDA graphs.
 
-Same math as `Decoder.forward` for decode rows, with Triton kernels (residual add fused into RMSNorm,
+Same math as `Decoder.forward` for decode rows and causal prompt rows, with Triton kernels (residual add fused into RMSNorm,
 RoPE fused with the KV write, SiLU fused with the product, paged attention reading block tables).
 """
 
@@ -14,8 +14,11 @@ from .decoder import Decoder, rms_norm
 
 
 def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """tokens, positions, slots, lens: [B] int64; tables: [B, width] int64 -> logits [B, vocab]."""
+                lens: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor | None = None,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens, positions, slots, lens: [B] int64 (a row's context is its `lens` first positions, its own
+    included: rows of one prompt see each other causally); tables: [L, width] int64, row i's table row
+    `table_rows[i]` (default i) -> logits [B, vocab], or [R, vocab] for the rows `logit_rows` [R] picks."""
     config, w = decoder.config, decoder.weights
     d, hq, hkv, eps = config.head_dim, decoder.heads, decoder.kv_heads, config.rms_eps
     block_size = decoder.kv.shape.block_size
@@ -32,12 +35,13 @@ def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor,
             qkv = torch.cat([q, k, v], dim=-1)
         cache_k, cache_v = decoder.kv.layer(index)
         q = kernels.rope_write_kv(qkv, positions, slots, decoder.inv_freq, decoder.rope_scale, cache_k, cache_v, hq, hkv, d)
-        attended = kernels.paged_decode_attention(q, cache_k, cache_v, tables, lens, decoder.scale, block_size)
+        attended = kernels.paged_decode_attention(q, cache_k, cache_v, tables, lens, decoder.scale, block_size,
+                                                  table_rows=table_rows)
         x = decoder.row_parallel(attended.reshape(-1, hq * d), layer.o, layer.o_bias)
         h, residual = kernels.add_rms_norm(x, residual, layer.post_norm, eps)
         gate_up = F.linear(h, layer.gate_up, layer.gate_up_bias)
         x = decoder.row_parallel(kernels.silu_mul(gate_up), layer.down, layer.down_bias)
-    h, _ = kernels.add_rms_norm(x, residual, w.norm, eps)
+    h, _ = kernels.add_rms_norm(x, residual, w.norm, eps, rows=logit_rows)
     local = F.linear(h, w.head)
     if decoder.shard.world == 1:
         return local
