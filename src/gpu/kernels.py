@@ -47,11 +47,13 @@ def _attend_tile(q, k_ptr, v_ptr, tables_ptr, table, kv_head, start, length, sca
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_ptr, tables_ptr, table_rows_ptr, lens_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_ptr, arrivals_ptr, tables_ptr, table_rows_ptr,
+                         lens_ptr, scale,
                          q_stride_b, q_stride_h, kv_stride_s, kv_stride_h, out_stride_b, out_stride_h, tables_stride,
                          MAX_TOKENS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
-                         LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr, TABLE_ROWS: tl.constexpr):
+                         LOOP_TO_LENGTH: tl.constexpr, IEEE: tl.constexpr, TABLE_ROWS: tl.constexpr,
+                         FUSED: tl.constexpr, SPLITS_PAD: tl.constexpr):
     lane = tl.program_id(0)  # a query row; its table row is its own, or (prompt rows of one lane) a shared one
     kv_head = tl.program_id(1)
     split = tl.program_id(2)  # this program's share of the context: tiles split, split + SPLITS, ...
@@ -83,33 +85,51 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stats_
         out = acc / total[:, None]
         tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-    else:  # the partial softmax of this split, for _combine_splits_kernel; splits past the length leave best -inf
-        part = (lane * tl.num_programs(1) + kv_head) * SPLITS + split
+    else:  # the partial softmax of this split; splits past the length leave best -inf
+        head = lane * tl.num_programs(1) + kv_head
+        part = head * SPLITS + split
         tl.store(part_acc_ptr + part * GROUP_PAD * BLOCK_D + rows[:, None] * BLOCK_D + dims[None, :], acc)
         tl.store(part_stats_ptr + part * 2 * GROUP_PAD + rows, best)
         tl.store(part_stats_ptr + part * 2 * GROUP_PAD + GROUP_PAD + rows, total)
+        if FUSED:  # the split that arrives last combines them all: no second launch
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+            arrived = tl.atomic_add(arrivals_ptr + head, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                tl.atomic_xchg(arrivals_ptr + head, 0, sem="relaxed", scope="gpu")  # ready for the next call (and replay)
+                _combine(part_acc_ptr, part_stats_ptr, out_ptr, out_stride_b, out_stride_h, lane, head, kv_head,
+                         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS, SPLITS_PAD)
 
 
 @triton.jit
 def _combine_splits_kernel(part_acc_ptr, part_stats_ptr, out_ptr, out_stride_b, out_stride_h,
                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    lane = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    lane, kv_head = tl.program_id(0), tl.program_id(1)
+    _combine(part_acc_ptr, part_stats_ptr, out_ptr, out_stride_b, out_stride_h, lane, lane * tl.num_programs(1) + kv_head,
+             kv_head, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS, SPLITS_PAD)
+
+
+@triton.jit
+def _combine(part_acc_ptr, part_stats_ptr, out_ptr, out_stride_b, out_stride_h, lane, head, kv_head,
+             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One (lane, KV head)'s splits merged: each partial weighted by its share of the softmax."""
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, BLOCK_D)
     splits = tl.arange(0, SPLITS_PAD)
-    first = (lane * tl.num_programs(1) + kv_head) * SPLITS
+    first = head * SPLITS
     stats = part_stats_ptr + (first + splits)[:, None] * 2 * GROUP_PAD + rows[None, :]  # [SPLITS_PAD, GROUP_PAD]
-    bests = tl.load(stats, mask=(splits < SPLITS)[:, None], other=float("-inf"))
-    totals = tl.load(stats + GROUP_PAD, mask=(splits < SPLITS)[:, None], other=0.0)
+    # Loads skip the L1 cache: other multiprocessors wrote these partials.
+    bests = tl.load(stats, mask=(splits < SPLITS)[:, None], other=float("-inf"), cache_modifier=".cg")
+    totals = tl.load(stats + GROUP_PAD, mask=(splits < SPLITS)[:, None], other=0.0, cache_modifier=".cg")
     best = tl.max(bests, axis=0)  # [GROUP_PAD]: finite, split 0 always holds the first tile
     total = tl.sum(totals * tl.exp(bests - best[None, :]), axis=0)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     for split in tl.static_range(SPLITS):  # unrolled: the loads are independent and issue back to back
         part = first + split
-        weight = tl.exp(tl.load(part_stats_ptr + part * 2 * GROUP_PAD + rows) - best)
-        acc += tl.load(part_acc_ptr + part * GROUP_PAD * BLOCK_D + rows[:, None] * BLOCK_D + dims[None, :]) * weight[:, None]
+        weight = tl.exp(tl.load(part_stats_ptr + part * 2 * GROUP_PAD + rows, cache_modifier=".cg") - best)
+        acc += tl.load(part_acc_ptr + part * GROUP_PAD * BLOCK_D + rows[:, None] * BLOCK_D + dims[None, :],
+                       cache_modifier=".cg") * weight[:, None]
     q_heads = kv_head * GROUP + rows
     tl.store(out_ptr + lane * out_stride_b + q_heads[:, None] * out_stride_h + dims[None, :],
              (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :])
@@ -126,15 +146,29 @@ def context_splits(lanes: int, kv_heads: int, max_tokens: int, tile: int) -> int
     return max(1, min(tiles, -(-SPLIT_TARGET // (lanes * kv_heads)), MAX_SPLITS))
 
 
+_arrivals: dict[tuple, torch.Tensor] = {}  # (device, stream) -> each (lane, KV head)'s count of finished splits
+
+
+def _arrival_counts(device: torch.device, heads: int) -> torch.Tensor:
+    """Zeroed counters the fused combine leaves zeroed; made once a stream (warm-up runs precede capture)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _arrivals or _arrivals[key].numel() < heads:
+        _arrivals[key] = torch.zeros(max(heads, SPLIT_TARGET), dtype=torch.int32, device=device)
+    return _arrivals[key]
+
+
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, scale: float, block_size: int, out: torch.Tensor | None = None,
-                           tile: int = 64, splits: int | None = None, table_rows: torch.Tensor | None = None) -> torch.Tensor:
+                           tile: int = 64, splits: int | None = None, table_rows: torch.Tensor | None = None,
+                           fused: bool = True) -> torch.Tensor:
     """Each query row over its whole context, read through its block table.
 
     q: [B, Hq, D] (rows may be strided); cache_k, cache_v: [S, Hkv, D]; tables: [B, max_blocks] int32;
     lens: [B] int32 context lengths (the new row included) -> [B, Hq, D]. `table_rows` [B]: the row of
-    `tables` each query row reads (rows of one lane's prompt share it); by default its own. With few lanes the context is
-    split over several programs (`context_splits`) whose partial softmaxes a second kernel combines.
+    `tables` each query row reads (rows of one lane's prompt share it); by default its own. With few lanes
+    the context is split over several programs (`context_splits`) whose partial softmaxes are combined:
+    with `fused` by the split that finishes last, else by a second kernel.
     """
     lanes, hq, d = q.shape
     hkv = cache_k.shape[1]
@@ -147,15 +181,18 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     parts = lanes * hkv * splits if splits > 1 else 0
     part_acc = torch.empty(parts, group_pad, block_d, device=q.device, dtype=torch.float32)
     part_stats = torch.empty(parts, 2, group_pad, device=q.device, dtype=torch.float32)
+    fused = fused and splits > 1
+    arrivals = _arrival_counts(q.device, lanes * hkv) if fused else lens
     _paged_decode_kernel[(lanes, hkv, splits)](
-        q, cache_k, cache_v, out, part_acc, part_stats, tables, table_rows if table_rows is not None else lens, lens, scale,
+        q, cache_k, cache_v, out, part_acc, part_stats, arrivals, tables, table_rows if table_rows is not None else lens,
+        lens, scale,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         # float32 caches get exact float32 products; so does the interpreter, which has no bf16 matmul.
         MAX_TOKENS=max_tokens, LOOP_TO_LENGTH=not INTERPRETED, IEEE=cache_k.dtype == torch.float32 or INTERPRETED,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits,
-        TABLE_ROWS=table_rows is not None,
+        TABLE_ROWS=table_rows is not None, FUSED=fused, SPLITS_PAD=triton.next_power_of_2(splits),
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         _combine_splits_kernel[(lanes, hkv)](part_acc, part_stats, out, out.stride(0), out.stride(1),
                                              GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits,
                                              SPLITS_PAD=triton.next_power_of_2(splits))
