@@ -143,3 +143,13 @@ def test_silu_mul_equals_eager(dtype, rows, inter):
     gate_up = torch.randn(rows, 2 * inter, generator=g).to(DEVICE, dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     close(kernels.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, dtype)
+
+
+def test_fed_embedding_takes_fed_rows_from_the_draws():
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(50, 24, generator=g).to(DEVICE, torch.bfloat16)
+    tokens = torch.tensor([3, 0, 49, 7], device=DEVICE)
+    feed = torch.tensor([-1, 2, -1, 0], device=DEVICE)
+    drawn = torch.tensor([11, 12, 13], device=DEVICE)
+    mine = kernels.fed_embedding(tokens, feed, drawn, weight)
+    assert torch.equal(mine, weight[torch.tensor([3, 13, 49, 11], device=DEVICE)])

@@ -75,10 +75,7 @@ class DecodeGraphs:
 
     def _step(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured work of a bucket: tokens (fed rows from the last draws), the step, the greedy draw."""
-        tokens, *rest = self._views(size)
-        feed = self._feed_rows(size)
-        tokens = torch.where(feed >= 0, self._drawn_tokens.index_select(0, feed.clamp(min=0)), tokens)
-        logits = self.decoder.decode_step(tokens, *rest)
+        logits = self.decoder.decode_step(*self._views(size), fed=(self._feed_rows(size), self._drawn_tokens))
         drawn = greedy_draw(logits)  # the draw costs two small kernels a pass
         self._drawn_tokens[: drawn.shape[1]].copy_(drawn[0])  # read after the fed rows above, in stream order
         return logits, drawn

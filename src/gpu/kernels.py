@@ -240,6 +240,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
+def _fed_embedding_kernel(tokens_ptr, feed_ptr, drawn_ptr, weight_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    fed = tl.load(feed_ptr + row)
+    token = tl.load(drawn_ptr + tl.maximum(fed, 0)) if fed >= 0 else tl.load(tokens_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    tl.store(out_ptr + row * n_cols + cols, tl.load(weight_ptr + token.to(tl.int64) * n_cols + cols, mask=ok), mask=ok)
+
+
+def fed_embedding(tokens: torch.Tensor, feed: torch.Tensor, drawn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each row's embedding, of `drawn[feed[i]]` where feed[i] >= 0 (a fed row) else of `tokens[i]`.
+
+    tokens, feed: [B] int64; drawn: [N] int64; weight: [V, H] contiguous -> [B, H]. One launch."""
+    rows, cols = tokens.shape[0], weight.shape[1]
+    out = weight.new_empty(rows, cols)
+    _fed_embedding_kernel[(rows,)](tokens, feed, drawn, weight, out, cols, BLOCK=triton.next_power_of_2(cols))
+    return out
+
+
+@triton.jit
 def _rope_write_kernel(qkv_ptr, positions_ptr, slots_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        attention_scale, qkv_stride, q_out_stride_t, q_out_stride_h, kv_stride_s, kv_stride_h,
                        HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):

@@ -105,11 +105,11 @@ class Decoder:
         return self.forward_inputs(inputs)
 
     @torch.inference_mode()
-    def decode_step(self, tokens, positions, slots, lens, tables, table_rows=None, logit_rows=None) -> torch.Tensor:
+    def decode_step(self, tokens, positions, slots, lens, tables, table_rows=None, logit_rows=None, fed=None) -> torch.Tensor:
         """The fast decode step (Triton kernels, static shapes): see `fast_decode.decode_step`."""
         from .fast_decode import decode_step
 
-        return decode_step(self, tokens, positions, slots, lens, tables, table_rows, logit_rows)
+        return decode_step(self, tokens, positions, slots, lens, tables, table_rows, logit_rows, fed)
 
     def forward_inputs(self, inputs: PassInputs) -> torch.Tensor:
         x = self.embed(inputs.tokens)  # [T, hidden]

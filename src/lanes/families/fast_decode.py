@@ -15,14 +15,20 @@ from .decoder import Decoder, rms_norm
 
 def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 lens: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor | None = None,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None, fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """tokens, positions, slots, lens: [B] int64 (a row's context is its `lens` first positions, its own
     included: rows of one prompt see each other causally); tables: [L, width] int64, row i's table row
-    `table_rows[i]` (default i) -> logits [B, vocab], or [R, vocab] for the rows `logit_rows` [R] picks."""
+    `table_rows[i]` (default i) -> logits [B, vocab], or [R, vocab] for the rows `logit_rows` [R] picks.
+    `fed`: (feed [B], drawn [N]): a row whose feed is not negative takes its token from `drawn`."""
     config, w = decoder.config, decoder.weights
     d, hq, hkv, eps = config.head_dim, decoder.heads, decoder.kv_heads, config.rms_eps
     block_size = decoder.kv.shape.block_size
-    x = decoder.embed(tokens)  # [B, hidden]
+    if fed is not None and decoder.shard.world == 1 and w.embed.is_contiguous():
+        x = kernels.fed_embedding(tokens, fed[0], fed[1], w.embed)  # [B, hidden]: the token's pick fused in
+    else:
+        if fed is not None:
+            tokens = torch.where(fed[0] >= 0, fed[1].index_select(0, fed[0].clamp(min=0)), tokens)
+        x = decoder.embed(tokens)  # [B, hidden]
     residual = None
     for index, layer in enumerate(w.layers):
         h, residual = kernels.add_rms_norm(x, residual, layer.input_norm, eps)
