@@ -45,12 +45,15 @@ def decode_inputs(model, tables, lengths, tokens, width):
             torch.tensor([n + 1 for n in lengths], device=dev), torch.tensor(table, device=dev))
 
 
-@pytest.mark.parametrize("kind, overrides", [("qwen2", {}), ("qwen3", dict(head_dim=32)), ("llama", dict(num_key_value_heads=4))])
-def test_fast_decode_step_equals_the_eager_forward(kind, overrides, tmp_path):
+@pytest.mark.parametrize("kind, overrides, lanes", [
+    ("qwen2", {}, [5, 17, 33]), ("qwen3", dict(head_dim=32), [5, 17, 33]), ("llama", dict(num_key_value_heads=4), [5, 17, 33]),
+    ("qwen2", {}, [21]), ("qwen3", dict(head_dim=32), [9]),  # one row: the fused GEMVs
+])
+def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     tiny.build(kind, tmp_path, **overrides)
     model = load_model(tmp_path, choose(DEVICE, "fp32"), kv_blocks=64, quiet=True)
-    pool, tables, lengths, tokens = lanes_after_prefill(model, [5, 17, 33])
+    pool, tables, lengths, tokens = lanes_after_prefill(model, lanes)
     for _ in range(6):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
         eager = model.decoder.decode(pieces)
