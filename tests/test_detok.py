@@ -3,7 +3,8 @@
 Rules: two tiny tokenizers built here, a byte-level BPE trained on ASCII text (so every non-ASCII
 character is split over byte tokens) and a SentencePiece vocabulary with `<0x..>` byte-fallback tokens;
 the reference is the tokenizer's own `decode` of all generated ids: pushes plus flush must equal it,
-and no push may hold U+FFFD.
+and no push may hold U+FFFD. The byte-level one streams from its table of bytes: push by push, that must
+give exactly what the decoding window gives.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from test_gguf_vocab import spm_metadata
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as Backend
 
-from lanes.text.detok import IncrementalDetokenizer
+from lanes.text.detok import ByteDetokenizer, IncrementalDetokenizer
 from lanes.text.gguf_vocab import build_gguf_tokenizer
 from lanes.text.tokenizer import Tokenizer
 
@@ -116,3 +117,46 @@ def test_any_text_streams_back_to_its_decode(byte_level, sentencepiece, text):
         pieces = stream(tokenizer, ids)
         assert not any("\ufffd" in piece for piece in pieces)
         assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def byte_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The ids of single bytes (the byte-level BPE's whole alphabet), to draw any byte sequence from."""
+    return [i for i in range(tokenizer.vocab_size) if len(tokenizer._pieces[i]) == 1]
+
+
+def test_a_byte_level_tokenizer_streams_from_its_table_and_sentencepiece_by_decoding(byte_level, sentencepiece):
+    assert type(byte_level.detokenizer()) is ByteDetokenizer
+    assert type(sentencepiece.detokenizer()) is IncrementalDetokenizer
+    assert sentencepiece._pieces is None
+
+
+def test_the_table_holds_each_ids_bytes(byte_level):
+    end = byte_level.token_to_id("<|im_end|>")
+    pieces = byte_level._pieces
+    assert len(pieces) == byte_level.vocab_size
+    assert pieces[end] == b""  # a special token's text is skipped, as decode skips it
+    assert [pieces[i] for i in byte_level.encode("日本")] == [b"\xe6", b"\x97", b"\xa5", b"\xe6", b"\x9c", b"\xac"]
+
+
+def test_a_prompt_that_ends_inside_a_character_is_read_as_the_window_reads_it(byte_level):
+    prompt = byte_level.encode("ok日")[:-1]  # the prompt ends on two of 日's three bytes
+    ids = byte_level.encode("日")[-1:] + byte_level.encode(" the")
+    # The window counted the cut 日 as the prompt's (one U+FFFD, then one whole character), so it is not given out.
+    assert stream(byte_level, ids, prompt) == ["", " the", ""]
+    assert stream(byte_level, ids, prompt) == generic(byte_level, ids, prompt)
+
+
+def generic(tokenizer: Tokenizer, ids: list[int], prompt_ids: list[int] = ()) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer.decode, prompt_ids)
+    return [detok.push(token_id) for token_id in ids] + [detok.flush()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_table_gives_what_the_window_gives_push_by_push(byte_level, data):
+    """Any bytes (cut characters, bad bytes, U+FFFD itself), specials and ids past the vocabulary, after any
+    prompt (one ending inside a character too)."""
+    ids = st.one_of(st.sampled_from(byte_tokens(byte_level)), st.integers(0, byte_level.vocab_size + 3))
+    prompt = data.draw(st.lists(ids, max_size=9))
+    generated = data.draw(st.lists(ids, max_size=14))
+    assert stream(byte_level, generated, prompt) == generic(byte_level, generated, prompt)

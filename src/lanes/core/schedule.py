@@ -19,6 +19,7 @@ from .sampling import RowSampling, SamplingParams, plain_greedy
 from .stream import Failed, Finished, PromptLogprobs, StreamEvent, TokenEvent, TopLogprob
 
 MAX_PREFILLS = 16
+_UNKNOWN = object()  # a lane that the known pass had no row for
 
 
 class Phase(enum.Enum):
@@ -91,23 +92,18 @@ class Limits:
 def plan(step: int, jobs: Sequence[Job], limits: Limits) -> Plan:
     """The next pass for `jobs` (in admission order): prompt chunks first, then one decode row a live lane."""
     prefill: list[Work] = []
+    decode: list[Work] = []
     budget = limits.max_rows
     for job in jobs:
-        if not job.live or job.phase is not Phase.PREFILL:
+        if not job.live:
             continue
-        if len(prefill) == limits.max_prefills or budget == 0:
-            break
-        take = min(len(job.prompt) - job.done, budget)
-        budget -= take
-        prefill.append(_prompt_work(job, take))
-    decode = [
-        Work(
-            Piece(job.lane, (job.pending,), job.done, tuple(job.table.blocks)),
-            sample=RowSampling(job.lane, job.sampling, len(job.generated)),
-        )
-        for job in jobs
-        if job.live and job.phase is Phase.DECODE
-    ]
+        if job.phase is Phase.DECODE:
+            piece = Piece(job.lane, (job.pending,), job.done, tuple(job.table.blocks))
+            decode.append(Work(piece, RowSampling(job.lane, job.sampling, len(job.generated))))
+        elif len(prefill) < limits.max_prefills and budget > 0:  # prefilling lanes past the limits wait
+            take = min(len(job.prompt) - job.done, budget)
+            budget -= take
+            prefill.append(_prompt_work(job, take))
     return Plan(step=step, work=tuple(prefill + decode), prefills=len(prefill))
 
 
@@ -132,7 +128,7 @@ def lookahead(step: int, plan: Plan, result: PassResult, jobs_by_lane: dict[int,
         if sampled.token in job.stop_tokens(stop_ids) or len(job.generated) + 1 >= job.max_new:
             continue
         piece = Piece(job.lane, (sampled.token,), w.piece.end, w.piece.blocks)
-        work.append(Work(piece, sample=RowSampling(job.lane, job.sampling, len(job.generated) + 1)))
+        work.append(Work(piece, RowSampling(job.lane, job.sampling, len(job.generated) + 1)))
     return Plan(step, tuple(work), 0) if work else None
 
 
@@ -148,23 +144,25 @@ def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Ite
     """
     if plan.prefills or not plan.work:
         return None
-    stop_ids = frozenset(stop_ids)
-    ended = set()
-    if known is not None:
-        ended = {w.piece.lane for w, s in zip(known[0].work, known[1].sampled, strict=True)
-                 if s is None or s.token in jobs_by_lane[w.piece.lane].stop_tokens(stop_ids)}
     if not plan.fed and (any(jobs_by_lane[w.piece.lane].kind != "stream" or w.sample is None or w.targets or w.labels
                              for w in plan.work) or not plain_greedy([w.sample for w in plan.work])):
         return None  # (a fed plan's rows were all checked when the first of its chain was built)
+    stop_ids = frozenset(stop_ids)
+    drawn = {w.piece.lane: s for w, s in zip(known[0].work, known[1].sampled, strict=True)} if known else {}
     work = []
     for w in plan.work:
-        job = jobs_by_lane[w.piece.lane]
-        if job.cancelled or job.outcome is not None or job.lane in ended:
+        piece = w.piece
+        job = jobs_by_lane[piece.lane]
+        if job.cancelled or job.outcome is not None:
             continue
-        if len(job.generated) + unapplied >= job.max_new:
+        sampled = drawn.get(piece.lane, _UNKNOWN)
+        if sampled is not _UNKNOWN and (sampled is None or sampled.token in job.stop_tokens(stop_ids)):
+            continue  # `known` ended it
+        row_step = len(job.generated) + unapplied
+        if row_step >= job.max_new:
             continue
-        piece = Piece(job.lane, (0,), w.piece.end, w.piece.blocks)  # the token is read on the device
-        work.append(Work(piece, sample=RowSampling(job.lane, job.sampling, len(job.generated) + unapplied)))
+        fed = Piece(job.lane, (0,), piece.end, piece.blocks)  # its token is read on the device
+        work.append(Work(fed, RowSampling(job.lane, job.sampling, row_step)))
     return Plan(step, tuple(work), 0, fed=True) if work else None
 
 
@@ -190,10 +188,11 @@ def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids
     events: list[tuple[Job, StreamEvent]] = []
     reads = result.reads or (None,) * len(plan.work)
     for work, sampled, logprobs, read in zip(plan.work, result.sampled, result.prompt_logprobs, reads, strict=True):
-        job = jobs_by_lane[work.piece.lane]
-        if work.piece.start != job.done:
-            raise AssertionError(f"job {job.id}: a pass wrote from {work.piece.start}, the job had {job.done}")
-        job.done = work.piece.end
+        piece = work.piece
+        job = jobs_by_lane[piece.lane]
+        if piece.start != job.done:
+            raise AssertionError(f"job {job.id}: a pass wrote from {piece.start}, the job had {job.done}")
+        job.done = piece.end
         if job.phase is Phase.PREFILL and job.done == len(job.prompt):
             job.phase = Phase.DECODE if job.kind == "stream" else Phase.DONE
             if job.kind != "stream":  # a warm pass, a trunk or a branch ends with its prompt
@@ -206,30 +205,36 @@ def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids
             if sampled is not None:
                 events.append((job, _prompt_logprobs_event(job)))
         if sampled is not None:
-            events.extend((job, event) for event in _take(job, sampled, stop_ids))
+            _take(job, sampled, stop_ids, events)
     return events
 
 
 def take_first(job: Job, token: int, stop_ids: Iterable[int]) -> list[StreamEvent]:
     """The first token of a stream a driver prefilled and sampled itself (adopt_prefilled)."""
-    return _take(job, Sampled(token), frozenset(stop_ids))
+    events: list[tuple[Job, StreamEvent]] = []
+    _take(job, Sampled(token), frozenset(stop_ids), events)
+    return [event for _, event in events]
 
 
-def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int]) -> list[StreamEvent]:
+def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int], events: list[tuple[Job, StreamEvent]]) -> None:
+    """Give `job` its drawn token, appending its events: the token's, and the end that it, a stop string
+    or the stream's length makes."""
     token = sampled.token
-    job.generated.append(token)
+    generated = job.generated
+    generated.append(token)
     job.pending = token
     top = tuple(TopLogprob(t, lp) for t, lp in sampled.top) if sampled.top else ()
     if token in job.stop_tokens(stop_ids):
         # A stop token ends the stream and contributes no text, as OpenAI's servers do.
-        return [TokenEvent(token, "", sampled.logprob, top), _finish(job, "stop", job.text.finish())]
+        events.append((job, TokenEvent(token, "", sampled.logprob, top)))
+        events.append((job, _finish(job, "stop", job.text.finish())))
+        return
     text, stopped = job.text.push(token)
-    out: list[StreamEvent] = [TokenEvent(token, text, sampled.logprob, top)]
+    events.append((job, TokenEvent(token, text, sampled.logprob, top)))
     if stopped:
-        out.append(_finish(job, "stop", ""))
-    elif len(job.generated) >= job.max_new:
-        out.append(_finish(job, "length", job.text.finish()))
-    return out
+        events.append((job, _finish(job, "stop", "")))
+    elif len(generated) >= job.max_new:
+        events.append((job, _finish(job, "length", job.text.finish())))
 
 
 def _finish(job: Job, reason: str, text: str) -> Finished:

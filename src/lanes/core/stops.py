@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..text.detok import IncrementalDetokenizer
+from ..text.detok import ByteDetokenizer, IncrementalDetokenizer
 
 
 class StopStrings:
@@ -79,21 +79,25 @@ class TextAssembler:
     stream's decoded text, cut before the first stop string to complete.
     """
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer | ByteDetokenizer, stops: Sequence[str]) -> None:
         self._detokenizer = detokenizer
-        self._stops = StopStrings(stops)
+        self._stops = StopStrings(stops) if stops else None  # without stop strings the text passes straight on
 
     @property
     def stopped(self) -> bool:
-        return self._stops.stopped
+        return self._stops is not None and self._stops.stopped
 
     def push(self, token_id: int) -> tuple[str, bool]:
+        if self._stops is None:
+            return self._detokenizer.push(token_id), False
         if self._stops.stopped:
             return "", True
         return self._stops.push(self._detokenizer.push(token_id))
 
     def finish(self) -> str:
         """The rest of the text: incomplete characters as U+FFFD, held-back text, still cut at a stop string."""
+        if self._stops is None:
+            return self._detokenizer.flush()
         if self._stops.stopped:
             return ""
         text, stopped = self._stops.push(self._detokenizer.flush())
