@@ -2,8 +2,8 @@
 
 Same math as `Decoder.forward` for decode rows and causal prompt rows, with Triton kernels: residual add
 fused into RMSNorm, RoPE fused with the KV write, SiLU fused with the product, paged attention reading
-block tables (eight launches a layer); one row alone runs Triton GEMVs with the norms and SiLU fused in
-(five).
+block tables (nine launches a layer); one row alone runs Triton GEMVs with the norms and SiLU fused in
+(six).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor,
             tokens = torch.where(fed[0] >= 0, fed[1].index_select(0, fed[0].clamp(min=0)), tokens)
         x = decoder.embed(tokens)  # [B, hidden]
     residual = None
-    # One row (one stream decoding): Triton GEMVs with the norm and SiLU fused in, 4.5 launches a layer
+    # One row (one stream decoding): Triton GEMVs with the norms and SiLU fused in, three launches a layer
     # fewer and the projections ~30% faster than cuBLAS's tiles (bench/gemv.py). A shape, so graph-safe.
     one = x.shape[0] == 1 and (logit_rows is None or logit_rows.shape[0] == 1) and _gemv_ready(decoder)
     for index, layer in enumerate(w.layers):
