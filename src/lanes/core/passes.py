@@ -8,7 +8,7 @@ from typing import Literal
 Logits = Literal["last", "all", "none"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Piece:
     """One lane's rows in a pass: `tokens` at positions `start`.., over the lane's block table.
 
@@ -22,11 +22,14 @@ class Piece:
     blocks: tuple[int, ...]
     logits: Logits = "last"
 
-    def __post_init__(self) -> None:
-        if not self.tokens:
+    def __init__(self, lane: int, tokens: tuple[int, ...], start: int, blocks: tuple[int, ...], logits: Logits = "last") -> None:
+        # One a row a pass: the instance dict filled at once, not through object.__setattr__ a field.
+        if not tokens:
             raise ValueError("a piece needs at least one token")
-        if self.start < 0:
+        if start < 0:
             raise ValueError("a piece cannot start before position 0")
+        fields = self.__dict__
+        fields["lane"], fields["tokens"], fields["start"], fields["blocks"], fields["logits"] = lane, tokens, start, blocks, logits
 
     @property
     def end(self) -> int:

@@ -84,7 +84,7 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RowSampling:
     """One logits row of a pass: its lane, its request's parameters, and how many tokens the stream has
     produced before this one (with the seed, `step` fixes the draw whatever else is in the batch)."""
@@ -92,6 +92,11 @@ class RowSampling:
     lane: int
     params: SamplingParams
     step: int
+
+    def __init__(self, lane: int, params: SamplingParams, step: int) -> None:
+        # One a row a pass: the instance dict filled at once, not through object.__setattr__ a field.
+        fields = self.__dict__
+        fields["lane"], fields["params"], fields["step"] = lane, params, step
 
 
 @dataclass(frozen=True)
