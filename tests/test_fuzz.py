@@ -125,6 +125,8 @@ def test_a_failure_hypothesis_finds_shrinks_to_a_small_scenario_with_a_one_line_
 
     if hasattr(providers, "_get_local_constants"):  # Hypothesis mixes in our sources' literals: keep the search fixed
         monkeypatch.setattr(providers, "_get_local_constants", lambda: type(providers._local_constants)())
+        if hasattr(providers, "CONSTANTS_CACHE"):  # (and earlier tests' searches cached them)
+            monkeypatch.setattr(providers, "CONSTANTS_CACHE", {})
 
     def fails(scn) -> bool:
         try:
