@@ -24,10 +24,12 @@ import torch
 import trio
 
 from lanes.core.lane_core import LaneCore
-from lanes.core.sampling import SamplingParams
+from lanes.core.passes import Piece
+from lanes.core.plan import Plan, Work
+from lanes.core.sampling import RowSampling, SamplingParams
 from lanes.core.stream import Finished, Request, TokenEvent
 from lanes.core.torch_backend import TorchBackend, text_factory
-from lanes.gpu.blocks import blocks_for
+from lanes.gpu.blocks import BlockPool, BlockTable, blocks_for
 from lanes.gpu.device import choose, runner_for
 from lanes.loader import load_model
 
@@ -169,68 +171,61 @@ def run_generate_batch(model, prompts, new: int) -> tuple[float, float]:
     return produced / took, float("nan")
 
 
+def greedy_plan(backend, lanes: int, reserve: int, piece, prompts: bool = False) -> tuple[Plan, list]:
+    """A plan of one greedy piece a lane (all prompts, or all decode rows), over tables reserved for
+    `reserve` tokens; `piece(lane, blocks)` makes each lane's. Returns the plan and the tables."""
+    pool = BlockPool(backend.shape.blocks)
+    tables = [BlockTable(("lane", i)) for i in range(lanes)]
+    for t in tables:
+        t.reserve(pool, reserve)
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    work = tuple(Work(piece(i, tuple(t.blocks)), sample=RowSampling(i, greedy, 0)) for i, t in enumerate(tables))
+    return Plan(0, work, len(work) if prompts else 0), [(pool, t) for t in tables]
+
+
+def pass_time(backend, plan: Plan, repeats: int) -> float:
+    """Seconds a whole pass takes on the host clock (launched, waited for, read back), after warm-ups."""
+    for _ in range(3):
+        backend.run_pass(plan)
+    began = time.perf_counter()
+    for _ in range(repeats):
+        backend.run_pass(plan)
+    return (time.perf_counter() - began) / repeats
+
+
+def clear_tables(tables) -> None:
+    for pool, t in tables:
+        t.clear(pool)
+
+
 def step_times(backend, lanes: int, context: int) -> tuple[float, float]:
     """(graph replay, whole pass) seconds for one decode step of `lanes` lanes at `context` tokens.
 
     The replay is timed with CUDA events (device time only); the whole pass (input packing, replay,
     sampling, the read-back) with the host clock, as the lane core runs it minus the lane core itself.
     """
-    from lanes.core.passes import Piece
-    from lanes.core.plan import Plan, Work
-    from lanes.core.sampling import RowSampling
-    from lanes.gpu.blocks import BlockPool, BlockTable
-
-    pool = BlockPool(backend.shape.blocks)
-    tables = [BlockTable(("lane", i)) for i in range(lanes)]
-    for t in tables:
-        t.reserve(pool, context + 1)
-    pieces = [Piece(i, (5,), context, tuple(t.blocks)) for i, t in enumerate(tables)]
-    greedy = SamplingParams(temperature=0, max_tokens=1)
-    plan = Plan(0, tuple(Work(p, sample=RowSampling(p.lane, greedy, 0)) for p in pieces), 0)
+    plan, tables = greedy_plan(backend, lanes, context + 1, lambda lane, blocks: Piece(lane, (5,), context, blocks))
     with torch.cuda.stream(backend.runner.torch_stream):
-        for _ in range(3):
-            backend.run_pass(plan)
+        whole = pass_time(backend, plan, 30)
         replays = []
         for _ in range(30):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            backend.graphs.run(pieces)
+            backend.graphs.run(plan.pieces)
             end.record()
             end.synchronize()
             replays.append(start.elapsed_time(end) / 1e3)
-        began = time.perf_counter()
-        for _ in range(30):
-            backend.run_pass(plan)
-        whole = (time.perf_counter() - began) / 30
-    for t in tables:
-        t.clear(pool)
+    clear_tables(tables)
     return statistics.median(replays), whole
 
 
 def prompt_time(backend, prompts: int, length: int) -> float:
     """Seconds a whole pass of `prompts` fresh prompts of `length` tokens takes (host clock, as a step)."""
-    from lanes.core.passes import Piece
-    from lanes.core.plan import Plan, Work
-    from lanes.core.sampling import RowSampling
-    from lanes.gpu.blocks import BlockPool, BlockTable
-
-    pool = BlockPool(backend.shape.blocks)
-    tables = [BlockTable(("lane", i)) for i in range(prompts)]
-    for t in tables:
-        t.reserve(pool, length + 1)
-    greedy = SamplingParams(temperature=0, max_tokens=1)
-    work = tuple(Work(Piece(i, tuple(range(7, 7 + length)), 0, tuple(t.blocks)), sample=RowSampling(i, greedy, 0))
-                 for i, t in enumerate(tables))
-    plan = Plan(0, work, prompts)
+    plan, tables = greedy_plan(backend, prompts, length + 1,
+                               lambda lane, blocks: Piece(lane, tuple(range(7, 7 + length)), 0, blocks), prompts=True)
     with torch.cuda.stream(backend.runner.torch_stream):
-        for _ in range(3):
-            backend.run_pass(plan)
-        began = time.perf_counter()
-        for _ in range(10):
-            backend.run_pass(plan)
-        took = (time.perf_counter() - began) / 10
-    for t in tables:
-        t.clear(pool)
+        took = pass_time(backend, plan, 10)
+    clear_tables(tables)
     return took
 
 

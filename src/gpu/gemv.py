@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernels import arrival_counts
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PLAIN, NORM, SILU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a program does to x as it loads it
 COUNTER_SLOTS = 1 << 16  # split-K semaphores: one a tile, so at most this many tiles in a split launch
@@ -282,18 +284,6 @@ def _gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, par
             tl.store(count_ptr + tile, 0)  # zero again for the next launch
 
 
-_counters: dict[tuple, torch.Tensor] = {}  # (device, stream) -> zeroed split-K semaphores, one a tile
-
-
-def _semaphores(device: torch.device) -> torch.Tensor:
-    """The stream's split-K semaphores: each launch leaves them zero, so launches in stream order share
-    them. Made once a stream (under graph capture the zeroing is captured too, and harmless)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    if (device, stream) not in _counters:
-        _counters[device, stream] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[device, stream]
-
-
 def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
             gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +307,7 @@ def _launch(mode: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if grid[0] * grid[2] > COUNTER_SLOTS:
             raise ValueError(f"{config}: {grid[0] * grid[2]} tiles, more than the {COUNTER_SLOTS} semaphores")
         parts = torch.empty(split * (2 if gated else 1) * m * n, device=x.device, dtype=torch.float32)
-        counters = _semaphores(x.device)
+        counters = arrival_counts(x.device, COUNTER_SLOTS, "gemv")  # one a tile
     else:
         parts, counters = out, out  # not read
     _gemv_kernel[grid](

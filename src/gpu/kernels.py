@@ -146,15 +146,17 @@ def context_splits(lanes: int, kv_heads: int, max_tokens: int, tile: int) -> int
     return max(1, min(tiles, -(-SPLIT_TARGET // (lanes * kv_heads)), MAX_SPLITS))
 
 
-_arrivals: dict[tuple, torch.Tensor] = {}  # (device, stream) -> each (lane, KV head)'s count of finished splits
+_arrivals: dict[tuple, torch.Tensor] = {}  # (use, device, stream) -> zeroed arrival counters
 
 
-def _arrival_counts(device: torch.device, heads: int) -> torch.Tensor:
-    """Zeroed counters the fused combine leaves zeroed; made once a stream (warm-up runs precede capture)."""
+def arrival_counts(device: torch.device, count: int, use: str = "attention") -> torch.Tensor:
+    """Zeroed int32 counters for kernels whose last program to arrive finishes the work and zeroes its
+    counter again, so launches in stream order share them; made once a stream and use (the warm-up runs
+    precede a capture). `use` keeps kernels from counting in each other's slots."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _arrivals or _arrivals[key].numel() < heads:
-        _arrivals[key] = torch.zeros(max(heads, SPLIT_TARGET), dtype=torch.int32, device=device)
+    key = (use, device, stream)
+    if key not in _arrivals or _arrivals[key].numel() < count:
+        _arrivals[key] = torch.zeros(max(count, SPLIT_TARGET), dtype=torch.int32, device=device)
     return _arrivals[key]
 
 
@@ -182,7 +184,7 @@ def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     part_acc = torch.empty(parts, group_pad, block_d, device=q.device, dtype=torch.float32)
     part_stats = torch.empty(parts, 2, group_pad, device=q.device, dtype=torch.float32)
     fused = fused and splits > 1
-    arrivals = _arrival_counts(q.device, lanes * hkv) if fused else lens
+    arrivals = arrival_counts(q.device, lanes * hkv) if fused else lens
     _paged_decode_kernel[(lanes, hkv, splits)](
         q, cache_k, cache_v, out, part_acc, part_stats, arrivals, tables, table_rows if table_rows is not None else lens,
         lens, scale,
