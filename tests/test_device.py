@@ -14,6 +14,7 @@ import scenario
 import tiny
 from lanes.gpu.blocks import BlockPool
 from lanes.gpu.device import CpuRunner, DeviceError, choose, cuda_device_count, runner_for
+from lanes.gpu.polling import PassWaiter
 from lanes.loader import load_model
 
 needs_cuda = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
@@ -56,19 +57,92 @@ async def test_cpu_pass_runs_off_the_event_loop():
     assert name != threading.main_thread().name
 
 
-@needs_cuda
-async def test_cuda_pass_runs_on_the_cuda_python_stream_and_awaits_its_event():
-    placement = choose("cuda", "bf16")
-    runner = runner_for(placement)
-    a = torch.randn(8192, 8192, device=placement.device, dtype=torch.bfloat16)
-    ticks = 0
+class PolledPass:
+    """A launched pass as `collect` sees it: done once `finish` is called (by a task, or by `wait` itself,
+    as a device reaching the pass's event); records the thread of each call."""
 
-    def long_pass():
-        assert torch.cuda.current_stream().cuda_stream == int(runner.stream.handle)
-        out = a
-        for _ in range(60):
-            out = (out @ a).clamp_(-1, 1)
-        return out.sum()
+    def __init__(self, waits: bool = True, done: bool = False) -> None:
+        self.waits, self.finished, self.calls = waits, done, []
+
+    def done(self) -> bool:
+        self.calls.append(("done", threading.get_ident()))
+        return self.finished
+
+    def wait(self) -> None:
+        self.calls.append(("wait", threading.get_ident()))
+        self.finished = True
+
+    def read(self) -> str:
+        assert self.finished
+        self.calls.append(("read", threading.get_ident()))
+        return "result"
+
+    def result(self) -> str:
+        self.calls.append(("result", threading.get_ident()))
+        return "result"
+
+    def where(self, call: str) -> set:
+        return {thread for name, thread in self.calls if name == call}
+
+
+async def test_a_finished_pass_is_read_in_the_event_loop_without_a_thread():
+    loop, pending = threading.get_ident(), PolledPass(done=True)
+    with trio.fail_after(10):
+        assert await PassWaiter().collect(pending, trio.CapacityLimiter(1)) == "result"
+    assert [name for name, _ in pending.calls] == ["done", "read"]
+    assert pending.where("read") == {loop}
+
+
+async def test_a_pass_is_polled_while_other_tasks_run_and_read_once_it_ends():
+    loop, pending = threading.get_ident(), PolledPass()
+
+    async def busy():  # other work of the event loop (settling, delivering); the device ends meanwhile
+        for _ in range(5):
+            await trio.lowlevel.checkpoint()
+        pending.finished = True
+        for _ in range(5):
+            await trio.lowlevel.checkpoint()
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(busy)
+            assert await PassWaiter().collect(pending, trio.CapacityLimiter(1)) == "result"
+    names = [name for name, _ in pending.calls]
+    assert "wait" not in names and names[-1] == "read" and names.count("done") > 1
+    assert pending.where("read") == pending.where("done") == {loop}
+
+
+async def test_a_pass_still_running_when_the_loop_is_idle_is_waited_for_in_a_thread():
+    loop, pending = threading.get_ident(), PolledPass()
+    with trio.fail_after(10):
+        assert await PassWaiter().collect(pending, trio.CapacityLimiter(1)) == "result"
+    names = [name for name, _ in pending.calls]
+    assert names[-2:] == ["wait", "read"] and set(names[:-2]) == {"done"}  # polled until the loop had nothing else
+    assert pending.where("wait") != {loop} and pending.where("read") == {loop}
+
+
+async def test_a_device_error_while_polling_reaches_the_waiting_task():
+    class Failing(PolledPass):
+        def done(self) -> bool:
+            if self.calls:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().done()
+
+    with trio.fail_after(10):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            await PassWaiter().collect(Failing(), trio.CapacityLimiter(1))
+
+
+async def test_a_pass_without_an_event_is_read_in_a_thread():
+    loop, pending = threading.get_ident(), PolledPass(waits=False)
+    with trio.fail_after(10):
+        assert await PassWaiter().collect(pending, trio.CapacityLimiter(1)) == "result"
+    assert [name for name, _ in pending.calls] == ["result"] and pending.where("result") != {loop}
+
+
+async def ticking_while(run) -> tuple[object, float, int]:
+    """`await run()`'s value, the seconds it took, and how many 1 ms ticks the event loop ran meanwhile."""
+    ticks = 0
 
     async def ticker(cancel):
         nonlocal ticks
@@ -76,17 +150,57 @@ async def test_cuda_pass_runs_on_the_cuda_python_stream_and_awaits_its_event():
             await trio.sleep(0.001)
             ticks += 1
 
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker, nursery.cancel_scope)
+        start = trio.current_time()
+        value = await run()
+        elapsed = trio.current_time() - start
+        nursery.cancel_scope.cancel()
+    return value, elapsed, ticks
+
+
+def long_work(runner, a):
+    """60 large matmuls, queued on the runner's stream (asserted): tens of milliseconds of GPU work."""
+    assert torch.cuda.current_stream().cuda_stream == int(runner.stream.handle)
+    out = a
+    for _ in range(60):
+        out = (out @ a).clamp_(-1, 1)
+    return out.float().sum()
+
+
+@needs_cuda
+async def test_cuda_pass_runs_on_the_cuda_python_stream_and_awaits_its_event():
+    placement = choose("cuda", "bf16")
+    runner = runner_for(placement)
+    a = torch.randn(8192, 8192, device=placement.device, dtype=torch.bfloat16)
     with trio.fail_after(60):
         await runner.run(lambda: a.sum())  # warm-up: cuBLAS handles and workspaces
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ticker, nursery.cancel_scope)
-            start = trio.current_time()
-            total = await runner.run(long_pass)
-            elapsed = trio.current_time() - start
-            nursery.cancel_scope.cancel()
-    assert torch.isfinite(total.float()).item()
+        total, elapsed, ticks = await ticking_while(lambda: runner.run(lambda: long_work(runner, a)))
+    assert torch.isfinite(total).item()
     assert elapsed > 0.02  # the GPU work is long enough to matter
     assert ticks >= 10  # the loop kept running while the GPU worked
+    runner.close()
+
+
+@needs_cuda
+async def test_a_pass_launched_from_the_event_loop_is_read_there_and_the_loop_runs_while_it_does():
+    from lanes.core.torch_backend import _Pending
+
+    placement = choose("cuda", "bf16")
+    runner = runner_for(placement)
+    a = torch.randn(8192, 8192, device=placement.device, dtype=torch.bfloat16)
+    loop = threading.get_ident()
+
+    def launch():  # as TorchBackend launches a replay: work queued on the runner's stream, then its event
+        total = long_work(runner, a)
+        return _Pending(lambda: (threading.get_ident(), torch.isfinite(total).item()), runner.record())
+
+    with trio.fail_after(60):
+        await runner.run(lambda: a.sum())  # warm-up: cuBLAS handles and workspaces
+        (read_on, finite), elapsed, ticks = await ticking_while(lambda: runner.run_inline(launch))
+    assert finite and elapsed > 0.02  # the GPU work is long enough to matter
+    assert ticks >= 10  # the loop kept running while the GPU worked: the wait was not on it
+    assert read_on == loop
     runner.close()
 
 

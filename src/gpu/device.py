@@ -15,6 +15,8 @@ from typing import Callable, Protocol, TypeVar
 import torch
 import trio
 
+from .polling import PassWaiter, Polled
+
 T = TypeVar("T")
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -143,6 +145,7 @@ class CudaRunner:
             raise ValueError(f"wait must be one of {self.WAITS}, not {wait!r}")
         self.wait = wait
         self._launcher = trio.CapacityLimiter(1)
+        self._waiter = PassWaiter()
 
     def _launch_and_wait(self, fn: Callable[[], T]) -> T:
         with torch.cuda.stream(self.torch_stream):
@@ -174,6 +177,16 @@ class CudaRunner:
 
         return await trio.to_thread.run_sync(go, limiter=self._launcher)
 
+    async def run_inline(self, launch: Callable[[], Polled[T]], started: Callable[[], None] | None = None) -> T:
+        """`launch` puts a pass on the stream from the event loop's own thread (it must be cheap: a graph
+        replay) and `started` is called at once; the pass is then polled while other tasks run (settling
+        the pass before, delivering its events) and read back here (`polling.PassWaiter`)."""
+        with torch.cuda.stream(self.torch_stream):
+            pending = launch()
+        if started is not None:
+            started()
+        return await self._waiter.collect(pending, self._launcher)
+
     def record(self):
         """An event at this point of the stream, for `Launched.result` to wait on. A pass's result is
         waited for spinning: a sleeping thread woke ~0.25 ms late on the H200 (bench/wait.py)."""
@@ -196,6 +209,10 @@ class _TorchEvent:
 
     def sync(self) -> None:
         self._event.synchronize()
+
+    @property
+    def is_done(self) -> bool:
+        return self._event.query()
 
     def close(self) -> None:
         pass

@@ -67,13 +67,17 @@ class Plan:
         return len(self.work) - self.prefills
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Sampled:
     """A drawn token with its logprob and the top alternatives (token, logprob), when asked for."""
 
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+
+    def __init__(self, token: int, logprob: float | None = None, top: tuple[tuple[int, float], ...] = ()) -> None:
+        fields = self.__dict__  # one a row a pass: filled at once (as `Work`)
+        fields["token"], fields["logprob"], fields["top"] = token, logprob, top
 
 
 @dataclass(frozen=True)

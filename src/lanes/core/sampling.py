@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -82,6 +83,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         """Whether the sampler reads this request's token history (its lane must be bound in PenaltyState)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @cached_property  # read for every row of every pass
+    def plain(self) -> bool:
+        """A draw that is the raw logits' argmax, reporting at most its logprob (`plain_greedy`)."""
+        return self.greedy and not self.needs_penalties and self.top_logprobs == 0
 
 
 @dataclass(frozen=True, init=False)
@@ -294,7 +300,7 @@ def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState 
 def plain_greedy(rows: Sequence[RowSampling]) -> bool:
     """Rows whose draw is the argmax of the raw logits and that report at most its logprob: `greedy_draw`
     gives exactly what `sample` would, so it can run inside a captured graph."""
-    return all(r.params.greedy and not r.params.needs_penalties and r.params.top_logprobs == 0 for r in rows)
+    return all(r.params.plain for r in rows)
 
 
 def greedy_draw(logits: Tensor) -> Tensor:

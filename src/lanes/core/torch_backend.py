@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..gpu.device import CpuRunner, CudaRunner
@@ -75,7 +76,22 @@ class TorchBackend:
 
     async def step(self, plan: Plan, started: Callable[[], None] | None = None,
                    following: Plan | None = None) -> PassResult:
-        return await self.runner.run_launched(lambda: self._launch_step(plan, following), started)
+        launch = lambda: self._launch_step(plan, following)  # noqa: E731
+        if self._replays(plan):  # a replay is cheap to launch: from the event loop, and polled there
+            return await self.runner.run_inline(launch, started)
+        return await self.runner.run_launched(launch, started)
+
+    def _replays(self, plan: Plan) -> bool:
+        """Whether the pass is a captured graph's replay (or is queued already), as `forward` decides."""
+        graphs = self.graphs
+        if graphs is None or not graphs.feeds:
+            return False
+        queued = self._queued
+        if plan.fed or (queued is not None and queued[0] is plan):
+            return True
+        pieces = plan.pieces
+        vision = self.vision
+        return graphs.fits(pieces) and not (vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills]))
 
     def _launch_step(self, plan: Plan, following: Plan | None) -> "_Pending":
         queued, self._queued = self._queued, None
@@ -99,9 +115,12 @@ class TorchBackend:
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
-            self._last_rows = {p.lane: row for row, p in enumerate(p for p in plan.pieces if p.logits == "last")}
-        if all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and \
-                plain_greedy([w.sample for w in plan.work]):
+            pieces = plan.pieces
+            self._last_rows = {p.lane: row for row, p in enumerate(pieces)} if not plan.prefills else \
+                {p.lane: row for row, p in enumerate(p for p in pieces if p.logits == "last")}
+        # A fed plan's rows are plain greedy draws (`schedule.fed_after` checked the first of its chain).
+        if plan.fed or (all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and
+                        plain_greedy([w.sample for w in plan.work])):
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
         return _Pending(self._general_result(plan, logits))
 
@@ -154,10 +173,10 @@ class TorchBackend:
         CUDA into a page-locked buffer behind which the pass's own event is recorded."""
         rows = drawn.shape[1]
         if self._pinned is None:
-            return _Pending(lambda: _greedy_sampled(plan, drawn.tolist()))
+            return _Pending(lambda: _greedy_sampled(plan, drawn.reshape(-1).numpy()))
         host = self._pinned.take()[: 2 * rows]
         host.copy_(drawn.reshape(-1), non_blocking=True)
-        return _Pending(lambda: _greedy_sampled(plan, host.view(2, rows).tolist()), self.runner.record())
+        return _Pending(lambda: _greedy_sampled(plan, host.numpy()), self.runner.record())
 
     @staticmethod
     def _label_reads(logits, read_rows, labels, device) -> list[torch.Tensor]:
@@ -204,23 +223,38 @@ class TorchBackend:
 
 
 class _Pending:
-    """A launched pass: `result()` waits for its event (if any; else the read blocks) and reads it back."""
+    """A launched pass: `result()` waits for its event (if any; else the read blocks) and reads it back.
+    With an event (`waits`), its end can also be polled (`done`) and waited for (`wait`) before `read`."""
 
     def __init__(self, read: Callable[[], PassResult], event=None) -> None:
         self._read, self._event = read, event
+        self.waits = event is not None
+
+    def done(self) -> bool:
+        return self._event.is_done
+
+    def wait(self) -> None:
+        self._event.sync()  # this thread sleeps (or spins) until the GPU has reached the pass's end
 
     @torch.inference_mode()
-    def result(self) -> PassResult:
+    def read(self) -> PassResult:
         if self._event is not None:
-            self._event.sync()  # this thread sleeps until the GPU has reached the pass's end
             self._event.close()
+            self._event = None
         return self._read()
 
+    def result(self) -> PassResult:
+        if self._event is not None:
+            self.wait()
+        return self.read()
 
-def _greedy_sampled(plan: Plan, drawn: list[list[float]]) -> PassResult:
-    tokens, logprobs = drawn
-    sampled = tuple(Sampled(int(t), lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
-    return PassResult(sampled, (None,) * len(plan.work))
+
+def _greedy_sampled(plan: Plan, drawn: np.ndarray) -> PassResult:
+    """`drawn`: a pass's greedy draws [2, R] float64, flat (ids are exact in float64)."""
+    rows = len(plan.work)
+    tokens, logprobs = drawn[:rows].astype(np.int64).tolist(), drawn[rows : 2 * rows].tolist()
+    sampled = tuple(Sampled(t, lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
+    return PassResult(sampled, (None,) * rows)
 
 
 def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> DecodeGraphs | None:
@@ -242,7 +276,7 @@ def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes 
     if plan.fed and feed is None:
         raise ValueError(f"pass {plan.step} is fed: its tokens are on the device, in the draws of the pass before")
     media = vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills])
-    if fast is not None and not media and fast.fits(pieces):
+    if fast is not None and not media and (plan.fed or fast.fits(pieces)):  # a fed plan is decode rows
         return fast.run(pieces, vision.offsets(pieces) if vision is not None else None, feed)
     return decoder.forward(pieces, vision.pass_media(pieces) if vision is not None else None), None
 
