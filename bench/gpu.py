@@ -5,7 +5,7 @@
 A model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
 vocabulary 151936, tied embeddings) with random bf16 weights from a fixed seed, saved once and read by
 every contender. 128-token prompts, 128 new tokens, end-of-sequence ignored, greedy. Contenders: our engine
-in-process (CUDA graphs, and eager for reference) and through HTTP (its clients in a process of their own); transformers' generate() on a static
+in-process (CUDA graphs, and eager for reference) and through HTTP (its clients in processes of their own); transformers' generate() on a static
 batch, generate() with the static cache, and generate_batch (continuous batching); and the floor, the
 weight bytes over the copy bandwidth measured here. Our graphed settings run `--repeats` times and show the
 median run (a run of a few hundred milliseconds moves with the host's noise). Prints one table.
@@ -104,9 +104,11 @@ async def run_engine(backend, model, prompts, new: int) -> tuple[float, float]:
 
 
 async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
-    """(tokens/s, mean time to first token) through the OpenAI API: the server here, its clients in a
-    process of their own (a client sharing the server's event loop and GIL would be measured too)."""
+    """(tokens/s, mean time to first token) through the OpenAI API: the server here, its clients in
+    processes of their own, a few streams each (one Python client parsing 64 streams was slower than the
+    server, and a client sharing the server's event loop and GIL would be measured too)."""
     import multiprocessing
+    import os
 
     from lanes.http.service import Service
     from lanes.runtime import Runtime
@@ -115,37 +117,53 @@ async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
     service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len, vocab_size=model.config.vocab_size)
     runtime = Runtime(service, port=0)
     spawn = multiprocessing.get_context("spawn")
-    receive, send = spawn.Pipe(duplex=False)
+    count = max(1, min(8, (os.cpu_count() or 2) // 2, len(prompts)))
+    go, pipes, processes = spawn.Event(), [], []
     async with trio.open_nursery() as nursery:
         listening = await nursery.start(runtime.run)
-        clients = spawn.Process(target=http_clients, args=(listening.url, prompts, new, send))
-        clients.start()
-        send.close()  # the clients' end only: a client process that dies ends the wait with EOFError
+        for i in range(count):
+            receive, send = spawn.Pipe(duplex=False)
+            processes.append(spawn.Process(target=http_clients, args=(listening.url, prompts[i::count], new, send, go)))
+            processes[-1].start()
+            send.close()  # the clients' end only: a client process that dies ends the wait with EOFError
+            pipes.append(receive)
         try:
-            outcome, value = await trio.to_thread.run_sync(receive.recv)
+            replies = [await trio.to_thread.run_sync(pipe.recv) for pipe in pipes]  # each "ready", or its failure
+            go.set()  # every client process has started and connected: they begin together
+            if all(kind == "ready" for kind, _ in replies):
+                replies = [await trio.to_thread.run_sync(pipe.recv) for pipe in pipes]
         finally:
-            await trio.to_thread.run_sync(clients.join)
+            go.set()
+            for process in processes:
+                await trio.to_thread.run_sync(process.join)
             runtime.request_stop()
-    if outcome != "ok":
-        raise RuntimeError(f"the HTTP clients failed: {value}")
-    return value
+    failures = [value for kind, value in replies if kind != "ok"]
+    if failures:
+        raise RuntimeError(f"the HTTP clients failed: {failures[0]}")
+    produced = sum(value[0] for _, value in replies)
+    assert produced == new * len(prompts), produced
+    began, ended = min(value[1] for _, value in replies), max(value[2] for _, value in replies)
+    return produced / (ended - began), statistics.mean(t for _, value in replies for t in value[3])
 
 
-def http_clients(url: str, prompts, new: int, results) -> None:
-    """In the clients' process: every prompt as a streaming completion at once, timed."""
+def http_clients(url: str, prompts, new: int, results, go) -> None:
+    """In a client process: these prompts as streaming completions at once, once `go` is set; sends
+    ("ready", None), then ("ok", (tokens, began, ended, first-token times)) or ("error", why)."""
     try:
-        results.send(("ok", trio.run(_stream_all, url, prompts, new)))
+        results.send(("ok", trio.run(_stream_all, url, prompts, new, results, go)))
     except Exception as error:  # reported to the benchmark, which prints it as the contender's failure
         results.send(("error", f"{type(error).__name__}: {error}"))
 
 
-async def _stream_all(url: str, prompts, new: int) -> tuple[float, float]:
+async def _stream_all(url: str, prompts, new: int, results, go):
     import httpx
 
     firsts, produced = [], 0
     limits = httpx.Limits(max_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await http.get("/v1/models")  # the first connection and the client's own imports, untimed
+        results.send(("ready", None))
+        await trio.to_thread.run_sync(go.wait)
 
         async def one(prompt):
             nonlocal produced
@@ -160,13 +178,11 @@ async def _stream_all(url: str, prompts, new: int) -> tuple[float, float]:
                         produced += json.loads(line[6:])["usage"]["completion_tokens"]
             firsts.append(first)
 
-        began = time.perf_counter()
+        began = time.perf_counter()  # the monotonic clock every process shares
         async with trio.open_nursery() as clients:
             for prompt in prompts:
                 clients.start_soon(one, prompt)
-        took = time.perf_counter() - began
-    assert produced == new * len(prompts), produced
-    return produced / took, statistics.mean(firsts)
+        return produced, began, time.perf_counter(), firsts
 
 
 def run_generate(model, prompts, new: int, **options) -> tuple[float, float]:

@@ -159,6 +159,8 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self._outputs[size] = self._step(size)
+                with torch.cuda.stream(stream):
+                    graph.replay()  # a graph's first launch uploads it (milliseconds): here, not in a pass
                 self._graphs[size] = graph
                 progress.advance()
         torch.cuda.current_stream().wait_stream(stream)
