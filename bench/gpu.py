@@ -32,6 +32,7 @@ from lanes.core.stream import Finished, Request, TokenEvent
 from lanes.core.torch_backend import TorchBackend, text_factory
 from lanes.gpu.blocks import BlockPool, BlockTable, blocks_for
 from lanes.gpu.device import choose, runner_for
+from lanes.heap import freeze_startup_heap
 from lanes.loader import load_model
 
 SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -316,6 +317,7 @@ def main() -> None:
 
         for graphs in (True, False):
             backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16, graphs=graphs)
+            freeze_startup_heap()  # as `lanes serve` does once start-up is over
             trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
             for n in counts if graphs else [1, most]:
                 measure(f"lanes{'' if graphs else ' (eager)'}", n,

@@ -32,6 +32,7 @@ from lanes.core.torch_backend import TorchBackend
 from lanes.gpu.blocks import blocks_for
 from lanes.gpu.device import choose, runner_for
 from lanes.gpu.graphs import DecodeGraphs
+from lanes.heap import freeze_startup_heap
 from lanes.loader import load_model
 
 STAMPS: list[tuple[str, float, float]] = []  # (step, start, end) on the host clock
@@ -150,6 +151,7 @@ def main() -> None:
         model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
         prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=torch.Generator().manual_seed(1)).tolist()
         backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16)
+        freeze_startup_heap()  # as `lanes serve` does once start-up is over
         trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
         default = sys.getswitchinterval()
         variants = [(None, False)] + [(float(s) / 1e3, False) for s in args.switch.split(",") if s]

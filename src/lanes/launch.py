@@ -16,6 +16,7 @@ from typing import Iterator
 from .families.weights import Shard
 from .followers import follow
 from .core.torch_backend import fast_decode, forward
+from .heap import freeze_startup_heap
 from .gpu.blocks import BLOCK_SIZE, blocks_for
 from .gpu.device import choose, cuda_device_count
 from .gpu.ranks import PASS_SECONDS, RankError, RankSpec, join, leave, startup_barrier
@@ -64,6 +65,7 @@ def follower_main(args: argparse.Namespace) -> int:
                            kv_blocks=kv_blocks(args))
         fast = fast_decode(model, args.lanes, model_length(args, model), not args.no_graphs)  # as rank 0 has it
         startup_barrier(spec.rank)
+        freeze_startup_heap()
         log.info("rank %d of %d following", spec.rank, spec.world)
         return follow(lambda plan: forward(model.decoder, fast, plan), control)
     finally:

@@ -16,10 +16,13 @@ from .launch import device_of, follower_main, kv_blocks, launched_followers, mod
 from .core.torch_backend import TorchBackend, text_factory
 from .gpu.blocks import blocks_for
 from .gpu.device import choose, runner_for
+from .heap import freeze_startup_heap
 from .http.service import Service
 from .loader import load_model
 from .models import DEFAULT_MODEL, DEFAULTS, resolve_model
 from .runtime import Runtime, watch_signals
+
+log = logging.getLogger("lanes.serve")
 
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
 NOT_YET: dict[str, str] = {}
@@ -140,6 +143,7 @@ def vision_inputs(model, urls: bool):
 
 async def serve(args: argparse.Namespace, spec: RankSpec | None = None) -> None:
     service = build_service(args, spec)
+    log.info("start-up done: %d objects kept out of the garbage collector's full collections", freeze_startup_heap())
     runtime = Runtime(service, host=args.host, port=args.port, grace=args.shutdown_grace)
     try:
         async with trio.open_nursery() as nursery:
