@@ -59,6 +59,17 @@ def build(folder: Path):
     return model
 
 
+def python_loop() -> float:
+    """Seconds for 2,000,000 additions in a Python loop (best of three): how fast this host runs the event loop."""
+    def once() -> float:
+        began, total = time.perf_counter(), 0
+        for i in range(2_000_000):
+            total += i
+        return time.perf_counter() - began
+
+    return min(once() for _ in range(3))
+
+
 def copy_bandwidth() -> float:
     """Bytes read plus written per second by a large device-to-device copy (median of 10)."""
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
@@ -338,6 +349,7 @@ def main() -> None:
     floor_step = weight_bytes / bandwidth
     print(f"\nQwen2.5-0.5B shape, bf16, {torch.cuda.get_device_name()}, prompt {args.prompt}, new {args.new}, greedy")
     print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_step * 1e3:.3f} ms a decode step")
+    print(f"host: a fixed Python loop took {python_loop() * 1e3:.0f} ms (the host's speed, which bounds 64 streams)")
     print(f"{'contender':<18} {'streams':>7} {'tok/s':>9} {'ttft ms':>8} {'x generate()':>12} {'x best peer':>11} {'of floor':>8}")
     peers = {n: [r for name, m, r, _ in rows if m == n and not name.startswith("lanes")] for n in counts}
     generate = {n: r for name, n, r, _ in rows if name == "generate()"}

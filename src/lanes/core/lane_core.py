@@ -21,6 +21,7 @@ from .backend import Backend
 from .commands import Adopt, Cancel, CancelDecision, Decide, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
 from .admission import CacheAdmission
 from .decider import Decider, DecisionRequest, DecisionResult
+from .events import EventChannel
 from .media import check_media
 from .pass_loop import PassLoop
 from .sampling import InvalidParameter, SamplingParams
@@ -57,7 +58,7 @@ class LaneCore(CacheAdmission, PassLoop):
         self._warm: deque[tuple[Job, Reply]] = deque()  # warm passes waiting for a quiet engine
         self._warm_running: dict[int, Reply] = {}
         self._jobs: dict[int, Job] = {}  # every job not yet answered, by id
-        self._channels: dict[int, trio.MemorySendChannel] = {}
+        self._channels: dict[int, EventChannel] = {}
         self._next_id = 1
         self._step = 0
         self._closing = False
@@ -298,7 +299,7 @@ class LaneCore(CacheAdmission, PassLoop):
                 self.cache.keep(job.key[: full * self.pool.block_size], job.table.blocks[:full])
             # A decoding stream is sent an event every pass, which finds a closed consumer; others are asked.
             channel = self._channels.get(job.id) if job.phase is not Phase.DECODE else None
-            if channel is not None and channel.statistics().open_receive_channels == 0 and job.outcome is None:
+            if channel is not None and channel.receiver_closed and job.outcome is None:
                 job.cancelled = True  # the consumer closed its end
             if job.cancelled or job.outcome is not None:
                 self._unbind(lane, job)
@@ -408,11 +409,10 @@ class LaneCore(CacheAdmission, PassLoop):
         return job
 
     def _open(self, job: Job) -> Stream:
-        # Room for every event the stream can produce, so delivery never blocks the pass loop.
-        send, receive = trio.open_memory_channel(job.max_new + 4)
-        self._channels[job.id] = send
+        channel = EventChannel()  # unbounded: delivery never blocks the pass loop
+        self._channels[job.id] = channel
         self._jobs[job.id] = job
-        return Stream(job.id, receive, self.cancel)
+        return Stream(job.id, channel, self.cancel)
 
     def _deliver(self, job: Job, event) -> None:
         channel = self._channels.get(job.id)
@@ -440,7 +440,7 @@ class LaneCore(CacheAdmission, PassLoop):
     def _close(self, job: Job) -> None:
         channel = self._channels.pop(job.id, None)
         if channel is not None:
-            channel.close()
+            channel.close_sender()
 
     def _fail_all(self, error: EngineError) -> None:
         self.decider.fail_all(error)

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-import trio
-
+from .events import EventChannel
 from .sampling import SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -124,7 +123,7 @@ class Stream:
     """
 
     id: int
-    events: trio.MemoryReceiveChannel
+    events: EventChannel
     _cancel: Callable[[int], None] = field(repr=False)
 
     async def aclose(self) -> None:
