@@ -1,0 +1,89 @@
+"""The lane core's jobs and their streams: a request made a job, its stream's channel opened, its events
+delivered and its last one given. A part of the lane core (its state, its one task), kept in a file of
+its own.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from .events import EventChannel
+from .media import check_media
+from .schedule import Job, Phase
+from .stream import EngineError, Failed, Finished, PromptTooLong, Request, Stream, TokenEvent
+
+
+class Delivery:
+    """Mixed into `LaneCore`, whose ids, pool, channels, jobs, queue, lanes and counts these use."""
+
+    def _take_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def _new_job(self, request: Request) -> Job:
+        sampling = request.sampling
+        sampling.validate()
+        if sampling.seed is None:
+            sampling = sampling.with_seed(self._seeds())
+        prompt = tuple(request.prompt)
+        room = min(self.max_model_len, self.pool.total * self.pool.block_size)
+        if not prompt or len(prompt) >= room:
+            raise PromptTooLong(len(prompt) + 1, room)
+        limit = len(prompt) + (sampling.max_tokens or room - len(prompt))
+        if limit > room:
+            raise PromptTooLong(limit, room)
+        check_media(len(prompt), request.media)
+        job = Job(self._take_id(), "stream", prompt, sampling, limit, deadline=request.deadline, media=tuple(request.media))
+        job.text = self._text(prompt, sampling)
+        return job
+
+    def _open(self, job: Job) -> Stream:
+        channel = EventChannel()  # unbounded: delivery never blocks the pass loop
+        self._channels[job.id] = channel
+        self._jobs[job.id] = job
+        return Stream(job.id, channel, self.cancel)
+
+    def _deliver(self, job: Job, event) -> None:
+        channel = self._channels.get(job.id)
+        if channel is None:
+            return
+        try:
+            channel.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            job.cancelled = True  # the consumer went away; its lane is freed at the next boundary
+            self._close(job)
+            return
+        if type(event) is TokenEvent:
+            self._counts["tokens_out"] += 1
+        elif isinstance(event, (Finished, Failed)):
+            self._close(job)
+
+    def _answer(self, job: Job, event: Finished | Failed) -> None:
+        """Give a job its last event (if it has none yet); its lane, if any, is freed at the next boundary."""
+        if job.outcome is None:
+            job.outcome = event
+            self._deliver(job, event)
+        if job.phase is Phase.QUEUED:
+            self._jobs.pop(job.id, None)
+
+    def _close(self, job: Job) -> None:
+        channel = self._channels.pop(job.id, None)
+        if channel is not None:
+            channel.close_sender()
+
+    def _fail_all(self, error: EngineError) -> None:
+        self.decider.fail_all(error)
+        for job in list(self._queue):
+            self._answer(job, Failed(error))
+        self._queue.clear()
+        for job, reply in self._warm:
+            self._jobs.pop(job.id, None)
+            reply.fail(error)
+        self._warm.clear()
+        for lane, job in enumerate(self.lanes):
+            if job is not None:
+                if job.kind == "warm":
+                    job.cancelled = True
+                else:
+                    self._answer(job, Failed(error))
+                self._unbind(lane, job)
