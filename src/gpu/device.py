@@ -1,8 +1,9 @@
 """Where passes run: CUDA when cuda-python finds a GPU, else the CPU; and how Trio awaits a pass.
 
 On CUDA a pass is launched on a stream made with cuda-python (wrapped for torch) and its end is awaited
-through a CUDA event synced in a worker thread, so the event loop never blocks. On the CPU the pass itself
-runs in a worker thread. Either way one pass runs at a time, in submission order.
+through a CUDA event synced in a worker thread, so the event loop never blocks; a graph's replay, cheap
+to launch, is launched from the event loop itself and its end polled there (`run_inline`, gpu/polling.py).
+On the CPU the pass itself runs in a worker thread. Either way one pass runs at a time, in submission order.
 """
 
 from __future__ import annotations
