@@ -315,16 +315,23 @@ def main() -> None:
         model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
         generator = torch.Generator().manual_seed(1)
         prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=generator).tolist()
+        def busy(run):
+            """`run()`'s (tokens/s, ttft, the share of its wall time this thread, the event loop's, was busy)."""
+            cpu, wall = time.thread_time(), time.perf_counter()
+            rate, ttft = run()
+            return rate, ttft, (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
         def measure(name: str, n: int, run, repeats: int = 1) -> None:
             say(f"{name}, {n} streams ...")
             try:
-                runs = sorted(run() for _ in range(repeats))
+                runs = sorted(busy(run) for _ in range(repeats))
             except Exception as error:  # a contender that fails is reported, and the table still prints
                 say(f"{name} at {n} failed: {type(error).__name__}: {error}")
                 return
-            rate, ttft = runs[len(runs) // 2]  # the median run: this host's noise moves a short run by 2x
+            rate, ttft, _ = runs[len(runs) // 2]  # the median run: this host's noise moves a short run by 2x
             rows.append((name, n, rate, ttft))
-            say(f"  {rate:.0f} tok/s, ttft {ttft * 1e3:.1f} ms" + (f" (runs: {', '.join(f'{r:.0f}' for r, _ in runs)})" if repeats > 1 else ""))
+            each = ", ".join(f"{r:.0f} ({b:.0%} busy)" for r, _, b in runs)
+            say(f"  {rate:.0f} tok/s, ttft {ttft * 1e3:.1f} ms" + (f" (runs: {each})" if repeats > 1 else ""))
 
         for graphs in (True, False):
             backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16, graphs=graphs)
