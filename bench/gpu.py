@@ -59,6 +59,17 @@ def build(folder: Path):
     return model
 
 
+def load_bench_model(folder: Path, streams: int, prompt: int, new: int):
+    """(transformers' model, ours loaded from its files in `folder` with KV for `streams` contexts of
+    `prompt` + `new` tokens, `streams` random prompts from a fixed seed)."""
+    say("building the model ...")
+    reference = build(folder)
+    model = load_model(folder, choose("cuda", "bf16"), kv_blocks=streams * blocks_for(prompt + new + 1) + 16)
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, SHAPE["vocab_size"], (streams, prompt), generator=generator).tolist()
+    return reference, model, prompts
+
+
 def python_loop() -> float:
     """Seconds for 2,000,000 additions in a Python loop (best of three): how fast this host runs the event loop."""
     def once() -> float:
@@ -307,14 +318,11 @@ def main() -> None:
     prompt_passes: dict[tuple[int, bool], float] = {}  # (prompts, graphs) -> seconds a pass
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        say("building the model ...")
-        reference = build(folder)
+        reference, model, prompts = load_bench_model(folder, most, args.prompt, args.new)
         weight_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
-        placement = choose("cuda", "bf16")
+        placement = model.placement
         context = args.prompt + args.new
-        model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
-        generator = torch.Generator().manual_seed(1)
-        prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=generator).tolist()
+
         def busy(run):
             """`run()`'s (tokens/s, ttft, the share of its wall time this thread, the event loop's, was busy)."""
             cpu, wall = time.thread_time(), time.perf_counter()

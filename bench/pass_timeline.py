@@ -25,15 +25,13 @@ from pathlib import Path
 import torch
 import trio
 
-from gpu import SHAPE, build, run_engine, say  # bench/gpu.py, run from bench/
+from gpu import load_bench_model, run_engine, say  # bench/gpu.py, run from bench/
 from lanes.core import torch_backend
 from lanes.core.lane_core import LaneCore
 from lanes.core.torch_backend import TorchBackend
-from lanes.gpu.blocks import blocks_for
-from lanes.gpu.device import choose, runner_for
+from lanes.gpu.device import runner_for
 from lanes.gpu.graphs import DecodeGraphs
 from lanes.heap import freeze_startup_heap
-from lanes.loader import load_model
 
 STAMPS: list[tuple[str, float, float]] = []  # (step, start, end) on the host clock
 EVENTS: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # each launched pass's start and end on the device
@@ -143,14 +141,8 @@ def main() -> None:
     most = max(counts)
     instrument()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        say("building the model ...")
-        build(folder)
-        placement = choose("cuda", "bf16")
-        context = args.prompt + args.new
-        model = load_model(folder, placement, kv_blocks=most * blocks_for(context + 1) + 16)
-        prompts = torch.randint(0, SHAPE["vocab_size"], (most, args.prompt), generator=torch.Generator().manual_seed(1)).tolist()
-        backend = TorchBackend(model, runner_for(placement), lanes=most, max_model_len=context + 16)
+        _, model, prompts = load_bench_model(Path(tmp), most, args.prompt, args.new)
+        backend = TorchBackend(model, runner_for(model.placement), lanes=most, max_model_len=args.prompt + args.new + 16)
         freeze_startup_heap()  # as `lanes serve` does once start-up is over
         trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
         default = sys.getswitchinterval()

@@ -116,9 +116,3 @@ class EventChannel(Generic[T]):
             return await self.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
-
-    def __enter__(self) -> "EventChannel[T]":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -150,20 +150,19 @@ def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Ite
     stop_ids = frozenset(stop_ids)
     drawn = {w.piece.lane: s for w, s in zip(known[0].work, known[1].sampled, strict=True)} if known else {}
     work = []
-    append, fed_token = work.append, (0,)  # a fed row's token is read on the device
-    for w in plan.work:  # every pass, every stream: attributes read once, no properties
+    for w in plan.work:
         piece = w.piece
-        lane = piece.lane
-        job = jobs_by_lane[lane]
+        job = jobs_by_lane[piece.lane]
         if job.cancelled or job.outcome is not None:
             continue
-        sampled = drawn.get(lane, _UNKNOWN)
+        sampled = drawn.get(piece.lane, _UNKNOWN)
         if sampled is not _UNKNOWN and (sampled is None or sampled.token in job.stop_tokens(stop_ids)):
             continue  # `known` ended it
         row_step = len(job.generated) + unapplied
-        if row_step >= job.limit - len(job.prompt):  # its max_new
+        if row_step >= job.max_new:
             continue
-        append(Work(Piece(lane, fed_token, piece.start + len(piece.tokens), piece.blocks), RowSampling(lane, job.sampling, row_step)))
+        fed = Piece(job.lane, (0,), piece.end, piece.blocks)  # its token is read on the device
+        work.append(Work(fed, RowSampling(job.lane, job.sampling, row_step)))
     return Plan(step, tuple(work), 0, fed=True) if work else None
 
 

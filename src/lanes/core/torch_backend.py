@@ -82,16 +82,11 @@ class TorchBackend:
         return await self.runner.run_launched(launch, started)
 
     def _replays(self, plan: Plan) -> bool:
-        """Whether the pass is a captured graph's replay (or is queued already), as `forward` decides."""
-        graphs = self.graphs
-        if graphs is None or not graphs.feeds:
+        """Whether the pass is a captured graph's replay (or is queued already)."""
+        if self.graphs is None or not self.graphs.feeds:
             return False
         queued = self._queued
-        if plan.fed or (queued is not None and queued[0] is plan):
-            return True
-        pieces = plan.pieces
-        vision = self.vision
-        return graphs.fits(pieces) and not (vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills]))
+        return (queued is not None and queued[0] is plan) or fast_step(self.graphs, plan, self.vision)
 
     def _launch_step(self, plan: Plan, following: Plan | None) -> "_Pending":
         queued, self._queued = self._queued, None
@@ -115,9 +110,7 @@ class TorchBackend:
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
-            pieces = plan.pieces
-            self._last_rows = {p.lane: row for row, p in enumerate(pieces)} if not plan.prefills else \
-                {p.lane: row for row, p in enumerate(p for p in pieces if p.logits == "last")}
+            self._last_rows = {p.lane: row for row, p in enumerate(p for p in plan.pieces if p.logits == "last")}
         # A fed plan's rows are plain greedy draws (`schedule.fed_after` checked the first of its chain).
         if plan.fed or (all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and
                         plain_greedy([w.sample for w in plan.work])):
@@ -275,10 +268,20 @@ def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes 
     pieces = plan.pieces
     if plan.fed and feed is None:
         raise ValueError(f"pass {plan.step} is fed: its tokens are on the device, in the draws of the pass before")
-    media = vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills])
-    if fast is not None and not media and (plan.fed or fast.fits(pieces)):  # a fed plan is decode rows
+    if fast_step(fast, plan, vision):
         return fast.run(pieces, vision.offsets(pieces) if vision is not None else None, feed)
     return decoder.forward(pieces, vision.pass_media(pieces) if vision is not None else None), None
+
+
+def fast_step(fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None) -> bool:
+    """Whether `forward` runs the pass as the fast step: it fits (decode rows, short prompts) and no prompt
+    in it has media. A fed plan is decode rows, so it always fits."""
+    if fast is None:
+        return False
+    pieces = plan.pieces
+    if vision is not None and any(vision.bound(p.lane) for p in pieces[: plan.prefills]):
+        return False
+    return plan.fed or fast.fits(pieces)
 
 
 def text_factory(tokenizer: Tokenizer):
