@@ -46,20 +46,19 @@ class PassLoop:
             if following is None:
                 self._settle(plan, result, by_lane)
                 continue
-            # The next pass runs on the device while this one's results are applied and delivered; where the
-            # device feeds, the one after it is queued behind it first.
+            # The next pass runs on the device while this one's results are applied and delivered (in
+            # `started`, called in the event loop as soon as the device has it); where the device feeds, the
+            # one after it is queued behind it first.
             behind = self._fed_after(following, by_lane, 2, (plan, result))
-            started, failure = trio.Event(), None
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._settle_once_started, started, plan, result, by_lane)
-                try:
-                    next_result = await self._run(following, started.set, behind)
-                except Exception as error:  # kept out of the nursery, which would wrap it in a group
-                    failure = error
-                finally:
-                    started.set()
-            if failure is not None:
-                return self._failed(failure)
+            settle = _Settle(self, plan, result, by_lane)
+            try:
+                next_result = await self._run(following, settle, behind)
+            except Exception as error:
+                settle()  # the pass before has its result whatever became of this one
+                settle.reraise()
+                return self._failed(error)
+            settle()
+            settle.reraise()
             ahead = following, by_lane, next_result, behind
 
     async def _run(self, plan, started=None, following=None):
@@ -92,11 +91,6 @@ class PassLoop:
                 return True
         return False
 
-    async def _settle_once_started(self, started: trio.Event, plan, result, by_lane) -> None:
-        await started.wait()
-        self._settle(plan, result, by_lane)
-        self._boundary()  # lanes of ended streams free now; admitted work is planned after the pass ahead
-
     def _settle(self, plan, result, by_lane) -> None:
         self._count(plan)
         events = schedule.apply(plan, result, by_lane, self._stop_ids)
@@ -110,3 +104,30 @@ class PassLoop:
         self._counts["passes"] += 1
         self._counts["prefill_rows"] += plan.prefill_rows
         self._counts["decode_rows"] += plan.decode_rows
+
+
+class _Settle:
+    """A pass's settling as the `started` callback of the pass after it: run once, in the event loop (in
+    the stepping task, or as a trio callback when a worker thread launches). A callback must not raise,
+    so an error is kept for the pass loop to raise in its own task."""
+
+    __slots__ = ("core", "plan", "result", "by_lane", "ran", "error")
+
+    def __init__(self, core: PassLoop, plan, result, by_lane) -> None:
+        self.core, self.plan, self.result, self.by_lane = core, plan, result, by_lane
+        self.ran, self.error = False, None
+
+    def __call__(self) -> None:
+        if self.ran:
+            return
+        self.ran = True
+        try:
+            self.core._settle(self.plan, self.result, self.by_lane)
+            self.core._boundary()  # lanes of ended streams free now; admitted work is planned after the pass ahead
+        except BaseException as error:  # raised again by `reraise`, in the pass loop's task
+            self.error = error
+
+    def reraise(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
