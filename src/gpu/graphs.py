@@ -85,7 +85,7 @@ class DecodeGraphs:
         """Pack the pass's inputs for a bucket of `size` rows into the next staging buffer and copy them to
         the device on the current stream (one transfer)."""
         staged = self._hosts[self._turn]
-        if all(len(p.tokens) == 1 for p in pieces):
+        if feed is not None or all(len(p.tokens) == 1 for p in pieces):  # fed rows are decode rows
             self._fill(staged.numpy(), self._rows[self._turn], pieces, size, offsets, feed)
         else:
             self._fill_prompts(staged.numpy(), self._rows[self._turn], pieces, size, offsets)
@@ -97,18 +97,23 @@ class DecodeGraphs:
         """Decode rows, one a piece (the hot path: a few vectorised writes)."""
         r, bs, used = self.max_rows, self.block_size, len(pieces)
         scratch = self.decoder.kv.scratch_block
+        self._tables(host, cached, pieces, size)  # first: a row's slot is read from its table row
         starts = np.fromiter((p.start for p in pieces), np.int64, used)
-        host[0:used] = np.fromiter((p.tokens[0] for p in pieces), np.int64, used)
+        if feed is None:
+            host[0:used] = np.fromiter((p.tokens[0] for p in pieces), np.int64, used)
+        else:
+            host[0:used], host[4 * r : 4 * r + used] = 0, feed  # fed rows: their tokens are read on the device
         host[r : r + used] = starts if offsets is None else starts + np.asarray(offsets)  # M-RoPE streams rotate past their grids
-        host[2 * r : 2 * r + used] = np.fromiter((p.blocks[p.start // bs] * bs + p.start % bs for p in pieces), np.int64, used)
+        tables = host[6 * r + self.max_lanes :].reshape(self.max_lanes, self.width)
+        host[2 * r : 2 * r + used] = tables[self._count[:used], starts // bs] * bs + starts % bs
         host[3 * r : 3 * r + used] = starts + 1
-        host[4 * r : 4 * r + used] = -1 if feed is None else feed
+        if feed is None:
+            host[4 * r : 4 * r + used] = -1
         # Padding rows: token 0 at position 0, one token of context, in the scratch block; no feed.
         host[used:size], host[r + used : r + size], host[2 * r + used : 2 * r + size] = 0, 0, scratch * bs
         host[3 * r + used : 3 * r + size], host[4 * r + used : 4 * r + size] = 1, -1
         host[5 * r : 5 * r + size] = self._count[:size]  # every row its own table row
         host[6 * r : 6 * r + min(size, self.max_lanes)] = self._count[: min(size, self.max_lanes)]
-        self._tables(host, cached, pieces, size)
 
     def _fill_prompts(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], size: int,
                       offsets: Sequence[int] | None = None) -> None:
@@ -140,7 +145,7 @@ class DecodeGraphs:
         tables = host[6 * r + n :].reshape(n, self.width)
         for row in range(count):
             blocks = pieces[row].blocks if row < len(pieces) else ()
-            if cached[row] != blocks:
+            if cached[row] is not blocks and cached[row] != blocks:
                 tables[row] = scratch
                 tables[row, : len(blocks)] = blocks
                 cached[row] = blocks
@@ -197,8 +202,10 @@ class DecodeGraphs:
         collectives stay outside graphs), the same step runs eagerly on exactly the pieces' rows, so its
         collectives have the shapes `Decoder.forward`'s would, and the draw is None (the caller draws).
         `offsets`: each piece's rotary position over its index (M-RoPE decode rows)."""
-        rows = sum(len(p.tokens) for p in pieces)
-        outputs = sum(p.logits == "last" for p in pieces)
+        if feed is not None:  # fed rows are decode rows
+            rows = outputs = len(pieces)
+        else:
+            rows, outputs = sum(len(p.tokens) for p in pieces), sum(p.logits == "last" for p in pieces)
         if not self._graphs:
             if feed is not None:
                 raise ValueError("fed rows need captured graphs")

@@ -20,6 +20,7 @@ from .stream import Failed, Finished, PromptLogprobs, StreamEvent, TokenEvent, T
 
 MAX_PREFILLS = 16
 _UNKNOWN = object()  # a lane that the known pass had no row for
+_FED = (0,)  # a fed row's stand-in token
 
 
 class Phase(enum.Enum):
@@ -66,6 +67,7 @@ class Job:
 
     def __post_init__(self) -> None:
         self.key = cache_key(self.prompt, self.media)
+        self.max_new = self.limit - len(self.prompt)  # read for every row of every pass
 
     def stop_tokens(self, stop_ids: frozenset[int]) -> frozenset[int]:
         if self.stops is None:
@@ -77,10 +79,6 @@ class Job:
     def live(self) -> bool:
         """In a lane, wanted, and not finished: it gets rows in the next pass."""
         return self.phase in (Phase.PREFILL, Phase.DECODE) and not self.cancelled and self.outcome is None
-
-    @property
-    def max_new(self) -> int:
-        return self.limit - len(self.prompt)
 
 
 @dataclass(frozen=True)
@@ -152,17 +150,18 @@ def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Ite
     work = []
     for w in plan.work:
         piece = w.piece
-        job = jobs_by_lane[piece.lane]
+        lane = piece.lane
+        job = jobs_by_lane[lane]
         if job.cancelled or job.outcome is not None:
             continue
-        sampled = drawn.get(piece.lane, _UNKNOWN)
+        sampled = drawn.get(lane, _UNKNOWN)
         if sampled is not _UNKNOWN and (sampled is None or sampled.token in job.stop_tokens(stop_ids)):
             continue  # `known` ended it
         row_step = len(job.generated) + unapplied
         if row_step >= job.max_new:
             continue
-        fed = Piece(job.lane, (0,), piece.end, piece.blocks)  # its token is read on the device
-        work.append(Work(fed, RowSampling(job.lane, job.sampling, row_step)))
+        # A decode row is one token, so the next starts one on; its token is read on the device.
+        work.append(Work(Piece(lane, _FED, piece.start + 1, piece.blocks), RowSampling(lane, job.sampling, row_step)))
     return Plan(step, tuple(work), 0, fed=True) if work else None
 
 

@@ -110,7 +110,8 @@ class TorchBackend:
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
-            self._last_rows = {p.lane: row for row, p in enumerate(p for p in plan.pieces if p.logits == "last")}
+            read = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
+            self._last_rows = {p.lane: row for row, p in enumerate(read)}
         # A fed plan's rows are plain greedy draws (`schedule.fed_after` checked the first of its chain).
         if plan.fed or (all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and
                         plain_greedy([w.sample for w in plan.work])):
