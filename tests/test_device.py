@@ -93,6 +93,23 @@ async def test_a_finished_pass_is_read_in_the_event_loop_without_a_thread():
     assert pending.where("read") == {loop}
 
 
+async def test_collecting_a_finished_pass_is_still_a_checkpoint():
+    """A pass loop whose every pass is done by the time it collects it must still let the streams'
+    consumers run between passes."""
+    ran = []
+
+    async def consumer():
+        ran.append("consumer")
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consumer)
+            waiter, limiter = PassWaiter(), trio.CapacityLimiter(1)
+            for _ in range(2):  # trio runs a round's tasks in either order: by the second pass it has run
+                assert await waiter.collect(PolledPass(done=True), limiter) == "result"
+            assert ran == ["consumer"]
+
+
 async def test_a_pass_is_polled_while_other_tasks_run_and_read_once_it_ends():
     loop, pending = threading.get_ident(), PolledPass()
 

@@ -49,6 +49,8 @@ class PassWaiter(trio.abc.Instrument):
             self._token = trio.lowlevel.current_trio_token()
             # Not abortable: the device writes into the pass's blocks until it ends.
             await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+        else:  # a checkpoint still: a pass loop that finds every pass done must let the streams' consumers run
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return pending.read()
 
     def before_io_wait(self, timeout: float) -> None:
