@@ -82,6 +82,60 @@ async def test_nothing_runs_ahead_while_a_request_waits_for_a_lane():
     assert all(step == have for rows in waiting for _, step, have in rows)
 
 
+class CallsBack(FakeBackend):
+    """Calls `started` as a trio callback, as a runner's worker thread does once it has launched a pass,
+    and returns only once the callback has run."""
+
+    async def step(self, plan, started=None, following=None):
+        if started is None:
+            return await super().step(plan, None, following)
+        token, called = trio.lowlevel.current_trio_token(), trio.Event()
+
+        def callback():
+            try:
+                started()
+            finally:
+                called.set()
+
+        result = await super().step(plan, lambda: token.run_sync_soon(callback), following)
+        await called.wait()
+        return result
+
+
+def breaking_text(at: int):
+    """The fake's text, whose assembler fails at its stream's `at`-th token: an error while settling."""
+
+    def make(prompt, sampling):
+        text = fake_text(prompt, sampling)
+        push, count = text.push, [0]
+
+        def failing(token):
+            count[0] += 1
+            if count[0] == at:
+                raise ZeroDivisionError("the text assembler broke")
+            return push(token)
+
+        text.push = failing
+        return text
+
+    return make
+
+
+@pytest.mark.parametrize("backend_type", [FakeBackend, CallsBack], ids=["in the stepping task", "as a trio callback"])
+async def test_an_error_while_a_pass_is_settled_ahead_is_raised_by_the_lane_core_itself(backend_type):
+    backend = backend_type(lanes=2, blocks=64)
+    core = LaneCore(backend, breaking_text(6), [EOS])  # the 6th token is settled while the 7th pass runs
+    with trio.fail_after(30):
+        with pytest.RaisesGroup(pytest.RaisesExc(ZeroDivisionError, match="^the text assembler broke$"), flatten_subgroups=True):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(core.run)
+                stream = await core.submit(Request(prompt(5), greedy(12, ignore_eos=True)))
+                await trio.sleep_forever()
+        outcome = await collect(stream)
+    assert isinstance(outcome.last, Failed) and len(outcome.tokens) == 5
+    core.check_integrity()
+
+
 async def test_a_device_lost_in_a_pass_run_ahead_fails_the_stream_and_stops_the_core():
     backend = Watching(lanes=2, blocks=64, fail_at=6)  # pass 6: the 5th decode pass, planned ahead
     core = LaneCore(backend, fake_text, [EOS])
