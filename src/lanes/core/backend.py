@@ -41,9 +41,10 @@ class Backend(Protocol):
     async def step(self, plan: Plan, started: Callable[[], None] | None = None,
                    following: Plan | None = None) -> PassResult:
         """Run one pass. Not cancellable midway: the device writes KV into the plan's blocks until it ends.
-        `started`, if given, is called in the event loop once the pass is under way (the lane core settles
-        the previous pass meanwhile). `following` (a `fed` plan, where the shape `feeds`) is put on the
-        device behind `plan` before `plan` is waited for; the next call must then be the step of it."""
+        `started`, if given, is called once, in the event loop, as soon as the pass is under way (from the
+        stepping task or as a trio callback): the lane core settles the previous pass in it. `following`
+        (a `fed` plan, where the shape `feeds`) is put on the device behind `plan` before `plan` is waited
+        for; the next call must then be the step of it."""
         ...
 
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence[PromptMedia] = ()) -> None:
