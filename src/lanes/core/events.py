@@ -112,19 +112,7 @@ class EventChannel(Generic[T]):
         return self
 
     async def __anext__(self) -> T:
-        # `receive` written out (one coroutine frame fewer to resume a token): its checkpoints, its errors.
-        await trio.lowlevel.checkpoint_if_cancelled()
         try:
-            value = self._next()
-        except trio.EndOfChannel:
-            raise StopAsyncIteration from None
-        if value is not _EMPTY:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return value
-        if self._waiter is not None:
-            raise trio.BusyResourceError("another task is already receiving from this channel")
-        self._waiter = trio.lowlevel.current_task()
-        try:
-            return await trio.lowlevel.wait_task_rescheduled(self._abort)
+            return await self.receive()
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
