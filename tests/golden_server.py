@@ -153,7 +153,8 @@ def fake_service(folder: Path, **options) -> tuple[Service, Gated]:
     length = options.pop("max_model_len", 64)
     backend = Gated(lanes=options.pop("lanes", 2), blocks=options.pop("blocks", 64), max_model_len=length)
     core = LaneCore(backend, fake_text, [EOS], max_queue=options.pop("max_queue", 8),
-                    max_rows=options.pop("max_rows", 256), max_decisions=options.pop("max_decisions", 64))
+                    max_rows=options.pop("max_rows", 256), max_decisions=options.pop("max_decisions", 64),
+                    cache_bytes=options.pop("cache_bytes", 0))
     text = tokenizer(folder, options.pop("labels", False), options.pop("template", CHATML))
     return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, **options), backend
 

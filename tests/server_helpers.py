@@ -55,5 +55,6 @@ async def until(condition) -> None:
 
 def counted(service: Service, endpoint: str, status: int) -> float:
     """Requests to `endpoint` answered (or ended) with `status`, as /metrics counts them."""
-    value = service.metrics.registry.get_sample_value("lanes_requests_total", {"endpoint": endpoint, "status": str(status)})
+    value = service.metrics.registry.get_sample_value("lanes_requests_total", {"model_name": service.model_name,
+                                                                            "endpoint": endpoint, "status": str(status)})
     return value or 0.0

@@ -13,7 +13,8 @@ import httpx
 import trio
 
 import tiny
-from lanes.serve import add_serve_flags, build_service
+from lanes.flags import add_serve_flags
+from lanes.serve import build_service
 from server_helpers import serving
 
 BLOCK = 16
@@ -26,8 +27,14 @@ def kv_bytes_per_block(config) -> int:
 
 
 def scrape(text: str) -> dict[str, float]:
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line.startswith("lanes_prompt_cache")}
+    """The prompt cache's series, each carrying the served model's name (its folder's)."""
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("lanes_prompt_cache"):
+            name, value = line.split(" ")
+            assert name.endswith('{model_name="model"}'), name
+            series[name.removesuffix('{model_name="model"}')] = float(value)
+    return series
 
 
 async def test_metrics_count_misses_hits_evictions_and_held_bytes_exactly(tmp_path):

@@ -121,7 +121,8 @@ async def test_two_explicit_ranks_equal_the_single_rank_server_with_cache_and_de
             [p["probability"] for p in want.get("probabilities", [want])], abs=1e-4)
     assert info["tp"] == 2 and info["followers"]["world"] == 2 and info["followers"]["state"] == "up"
     assert info["followers"]["plans"] > 0 and info["lanes_busy"] == 0
-    assert "lanes_world_size 2.0" in metrics and "lanes_followers_up 1.0" in metrics
+    assert f'lanes_world_size{{model_name="{info["model"]}"}} 2.0' in metrics
+    assert f'lanes_followers_up{{model_name="{info["model"]}"}} 1.0' in metrics
     assert "stopped by rank 0 after" in rank1.text and "Traceback" not in rank0.text + rank1.text
 
 

@@ -50,8 +50,8 @@ async def test_a_shared_1000_token_prefix_is_restored_and_gives_the_same_text(ti
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
     counters = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("lanes_prompt_cache"))
-    assert float(counters["lanes_prompt_cache_hits_total"]) == 1.0
-    assert float(counters["lanes_prompt_cache_hit_tokens_total"]) == (prompt_tokens - 1) // 16 * 16
+    assert float(counters['lanes_prompt_cache_hits_total{model_name="tiny"}']) == 1.0
+    assert float(counters['lanes_prompt_cache_hit_tokens_total{model_name="tiny"}']) == (prompt_tokens - 1) // 16 * 16
 
 
 async def test_the_tool_system_prompt_is_warmed_at_start_up_and_restored_by_tools_requests(tiny_model, tmp_path):

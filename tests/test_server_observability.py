@@ -43,16 +43,17 @@ async def test_info_and_metrics_show_a_busy_lane_and_a_queued_request_then_idle(
             idle_metrics = gauges((await http.get("/metrics")).text)
     facts = {"model": "tiny", "family": "fake", "lanes": 1, "max_rows": 256, "tp": 1, "vision": False, "decides": False}
     limits = {"max_queue": 2, "max_model_len": 64, "request_timeout": 600.0, "max_body_bytes": MAX_BODY,
-              "max_header_bytes": 16 << 10, "max_open_requests": 1024}
+              "max_header_bytes": 16 << 10, "max_open_requests": 1024, "send_timeout": 30.0}
     assert {key: busy[key] for key in facts} == facts and {key: idle[key] for key in facts} == facts
     assert busy["lanes_busy"] == 1 and busy["admission"] == {**limits, "queued": 1, "open_requests": 2}
     assert idle["lanes_busy"] == 0 and idle["admission"] == {**limits, "queued": 0, "open_requests": 0}
     assert (busy["prompt_cache"], busy["tool_system"], busy["followers"], busy["kv_blocks"]["total"]) == (None, False, None, 64)
     assert idle["kv_blocks"] == {"total": 64, "free": 64}
-    shown = ("lanes_lanes", "lanes_lanes_busy", "lanes_queue_length", "lanes_kv_blocks_total", "lanes_world_size")
+    shown = [f'{name}{{model_name="tiny"}}' for name in ("lanes_lanes", "lanes_lanes_busy", "lanes_queue_length",
+                                                          "lanes_kv_blocks_total", "lanes_world_size")]
     assert [busy_metrics[name] for name in shown] == [1.0, 1.0, 1.0, 64.0, 1.0]
     assert [idle_metrics[name] for name in shown] == [1.0, 0.0, 0.0, 64.0, 1.0]
-    assert idle_metrics['lanes_requests_total{endpoint="chat",status="200"}'] == 2.0
+    assert idle_metrics['lanes_requests_total{endpoint="chat",model_name="tiny",status="200"}'] == 2.0
 
 
 LINE = re.compile(r"(?P<id>[0-9a-f]{24}) (?P<endpoint>\w+) status=(?P<status>\d+) prompt=(?P<prompt>\d+) "

@@ -1,4 +1,4 @@
-"""The quart-trio application: routes, the API key, and every failure turned into OpenAI's error shape.
+"""The application the HTTP server runs: routes, the API key, and every failure in OpenAI's error shape.
 
 Nothing here holds state: handlers send commands to the lane core through `Service` and await replies.
 """
@@ -7,38 +7,33 @@ from __future__ import annotations
 
 import hmac
 import json
+from typing import AsyncIterator, Awaitable, Callable
 
-import trio
-
-from quart import Response, request
-from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound, RequestEntityTooLarge, RequestTimeout
-
-from ..text.chat import ChatTemplateError
 from . import decisions as decision_routes
 from . import errors, parse
-from .openai_api import Exchange, chat_completions, completions, with_media
+from .exchange import Exchange
+from .openai_api import chat_completions, completions
+from .protocol import HttpRequest, HttpResponse
 from .service import Service
+from .tokenizing import detokenize_body, tokenize_body, tokenizer_info
 
+Handler = Callable[[HttpRequest, Exchange], Awaitable[HttpResponse]]
 OPEN_PATHS = {"/health"}
+MODEL_PREFIX = "/v1/models/"
 
 
-def json_response(payload, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(json.dumps(payload, ensure_ascii=False), status=status, headers=headers or {},
-                    mimetype="application/json")
+def json_response(payload, status: int = 200, headers: list[tuple[str, str]] | None = None) -> HttpResponse:
+    return HttpResponse(status, json.dumps(payload, ensure_ascii=False).encode(), headers=headers or [])
 
 
-def error_response(error: errors.ApiError) -> Response:
-    return json_response(error.body(), error.status, error.headers())
+def error_response(error: errors.ApiError) -> HttpResponse:
+    return json_response(error.body(), error.status, list(error.headers().items()))
 
 
-async def read_json(service: Service, field_status: int = 400) -> dict:
+def read_json(service: Service, request: HttpRequest, field_status: int = 400) -> dict:
     """The body as a JSON object whose nesting and text every handler can take (`field_status` for a bad field)."""
-    raw = await request.get_data(cache=False)
-    if len(raw) > service.max_body:
-        raise errors.body_too_large(service.max_body)
     try:
-        body = json.loads(raw)
+        body = json.loads(request.body)
     except RecursionError:  # nested past the parser's stack, so past MAX_DEPTH too
         raise errors.nested_too_deeply(parse.MAX_DEPTH) from None
     except (ValueError, UnicodeDecodeError):
@@ -49,186 +44,145 @@ async def read_json(service: Service, field_status: int = 400) -> dict:
     return body
 
 
-def create_app(service: Service) -> QuartTrio:
-    app = QuartTrio("lanes")
-    app.config["RESPONSE_TIMEOUT"] = None  # long streams are ours to end, not Quart's
-    app.config["BODY_TIMEOUT"] = service.body_timeout  # a client sending its body too slowly gets 408
-    app.config["MAX_CONTENT_LENGTH"] = service.max_body
+class LanesApp:
+    """What `HttpServer` runs: a request's exchange opened at its head, its answer once its body is read."""
 
-    @app.before_request
-    async def authenticate():
-        size = sum(len(k) + len(v) + 4 for k, v in request.headers.items())
-        if size > service.max_headers:
-            return error_response(errors.headers_too_large(service.max_headers))
-        if service.api_key is None or request.path in OPEN_PATHS:
-            return None
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {service.api_key}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return error_response(errors.unauthorized())
-        return None
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        tokenize = ("tokenize", self.tokenize)
+        detokenize = ("detokenize", self.detokenize)
+        self.routes: dict[str, dict[str, tuple[str, Handler]]] = {
+            "/v1/chat/completions": {"POST": ("chat", self.chat)},
+            "/v1/completions": {"POST": ("completions", self.complete)},
+            "/v1/models": {"GET": ("models", self.models)},
+            "/v1/info": {"GET": ("info", self.info)},
+            "/health": {"GET": ("health", self.health)},
+            "/metrics": {"GET": ("metrics", self.metrics)},
+            "/v1/tokenize": {"POST": tokenize}, "/tokenize": {"POST": tokenize},
+            "/v1/detokenize": {"POST": detokenize}, "/detokenize": {"POST": detokenize},
+            "/tokenizer_info": {"GET": ("tokenizer_info", self.tokenizer_info)},
+            "/v1/decisions": {"POST": ("decisions", self.decisions)},
+            "/v1/systemone": {"POST": ("systemone", self.systemone)},
+        }
+        self._model = {"GET": ("models", self.model)}
 
-    async def generate(endpoint: str, handler):
-        exchange = Exchange(service, endpoint)
+    # ---- the server's side (lanes.http.protocol.App) ----
+
+    def _route(self, path: str) -> dict[str, tuple[str, Handler]] | None:
+        if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
+            return self._model
+        return self.routes.get(path)
+
+    def open(self, request: HttpRequest) -> Exchange:
+        route = self._route(request.path)
+        method = "GET" if request.method == "HEAD" else request.method
+        endpoint = route[method][0] if route is not None and method in route else "unrouted"
+        return Exchange(self.service, endpoint, request.headers.get("x-request-id"))
+
+    async def handle(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        route = self._route(request.path)
+        try:
+            if route is None:
+                raise errors.not_found()
+            method = "GET" if request.method == "HEAD" else request.method
+            if method not in route:
+                raise errors.method_not_allowed()
+            if request.path not in OPEN_PATHS:
+                self._authenticate(request)
+            return await route[method][1](request, exchange)
+        except errors.ApiError as error:
+            return error_response(error)
+
+    def refusal(self, status: int, exchange: Exchange | None) -> HttpResponse:
+        limits = self.service.limits
+        known = {408: lambda: errors.body_timeout(limits.body_timeout),
+                 413: lambda: errors.body_too_large(limits.max_body),
+                 431: lambda: errors.headers_too_large(limits.max_headers),
+                 500: errors.internal, 503: errors.out_of_memory}
+        return error_response(known[status]() if status in known else errors.malformed_request(status))
+
+    def _authenticate(self, request: HttpRequest) -> None:
+        key = self.service.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode("latin-1"), f"Bearer {key}".encode()):
+            raise errors.unauthorized()
+
+    # ---- generation and decisions: counted against --max-open while they are answered ----
+
+    async def _counted(self, request: HttpRequest, run: Callable[[dict], Awaitable], field_status: int = 400):
+        """`run(body)` inside an open-request slot; a streamed answer keeps its slot until its stream ends."""
+        service = self.service
         if not service.open_requests.try_enter():
-            exchange.finish(429)
-            return error_response(errors.too_many_open(service.max_open))
+            raise errors.too_many_open(service.max_open)
         streaming = False
         try:
-            body = await read_json(service)
-            result = await handler(service, body, exchange)
-            if not isinstance(result, dict):
+            result = await run(read_json(service, request, field_status))
+            if not isinstance(result, (dict, HttpResponse)):
                 streaming = True
-                response = Response(held_open(result), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-                response.timeout = None
-                return response
-        except errors.ApiError as error:
-            exchange.finish(error.status)
-            return error_response(error)
-        except HTTPException as error:  # a body too large or too slow: answered by the handlers below
-            exchange.finish(error.code or 400)
-            raise
-        except BaseException:
-            exchange.finish(499)  # the client went away (cancelled) or a bug (logged by the error handler)
-            raise
+                return HttpResponse(200, self._held_open(result), "text/event-stream", [("cache-control", "no-cache")])
+            return result if isinstance(result, HttpResponse) else json_response(result)
         finally:
             if not streaming:
                 service.open_requests.leave()
-        exchange.finish(200)
-        return json_response(result)
 
-    async def held_open(events):
+    async def _held_open(self, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
         """The SSE body; the request stays open (counted) until the stream ends or the client leaves."""
         try:
             async for chunk in events:
-                yield chunk
+                yield chunk.encode()
         finally:
-            service.open_requests.leave()
+            self.service.open_requests.leave()
 
-    @app.post("/v1/chat/completions")
-    async def chat():
-        return await generate("chat", chat_completions)
+    async def chat(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._counted(request, lambda body: chat_completions(self.service, body, exchange))
 
-    @app.post("/v1/completions")
-    async def complete():
-        return await generate("completions", completions)
+    async def complete(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._counted(request, lambda body: completions(self.service, body, exchange))
 
-    @app.get("/v1/models")
-    async def models():
-        return json_response({"object": "list", "data": [
-            {"id": service.model_name, "object": "model", "created": 0, "owned_by": "lanes",
-             "max_model_len": service.max_model_len}]})
+    async def tokenize(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._counted(request, lambda body: tokenize_body(self.service, body))
 
-    @app.get("/v1/info")
-    async def info():
-        return json_response(service.info())
+    async def decisions(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._decide(request, exchange, decision_routes.decisions, decision_routes.DECISIONS_STATUS)
 
-    @app.get("/health")
-    async def health():
+    async def systemone(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._decide(request, exchange, decision_routes.systemone, decision_routes.SYSTEMONE_STATUS)
+
+    async def _decide(self, request: HttpRequest, exchange: Exchange, handler, field_status: int) -> HttpResponse:
+        if not self.service.decides:
+            raise errors.decisions_off()
+
+        async def run(body: dict) -> dict:
+            result = await handler(self.service, body)
+            exchange.prompt_tokens = result["usage"]["input_tokens"]
+            return result
+
+        return await self._counted(request, run, field_status)
+
+    # ---- the rest ----
+
+    async def models(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return json_response({"object": "list", "data": [self.service.model_card()]})
+
+    async def model(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        name = request.path[len(MODEL_PREFIX):]
+        if name != self.service.model_name:
+            raise errors.unknown_model(name, self.service.model_name)
+        return json_response(self.service.model_card())
+
+    async def info(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return json_response(self.service.info())
+
+    async def health(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
         return json_response({"status": "ok"})
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(service.metrics.render(), mimetype="text/plain; version=0.0.4")
+    async def metrics(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return HttpResponse(200, self.service.metrics.render(), "text/plain; version=0.0.4")
 
-    @app.post("/v1/tokenize")
-    async def tokenize():
-        try:
-            body = await read_json(service)
-            parts = []
-            ids = tokenize_body(service, body, parts)
-            if parts:  # images and videos count as the rows they take
-                ids = list((await with_media(service, ids, parts, trio.current_time() + service.request_timeout, "messages"))[0])
-        except errors.ApiError as error:
-            return error_response(error)
-        return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_model_len})
+    async def detokenize(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return json_response(detokenize_body(self.service, read_json(self.service, request)))
 
-    @app.post("/v1/detokenize")
-    async def detokenize():
-        try:
-            body = await read_json(service)
-            tokens = body.get("tokens")
-            vocab = service.vocab_size
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise errors.wrong_type("tokens", "a list of token ids")
-            if any(not 0 <= t < vocab for t in tokens):
-                raise errors.out_of_range("tokens", f"token ids must be between 0 and {vocab - 1}")
-        except errors.ApiError as error:
-            return error_response(error)
-        return json_response({"prompt": service.tokenizer.decode(tokens, skip_special_tokens=False)})
-
-    async def decide(endpoint: str, handler, field_status: int):
-        if not service.decides:
-            return error_response(errors.decisions_off())
-        exchange = Exchange(service, endpoint)
-        if not service.open_requests.try_enter():
-            exchange.finish(429)
-            return error_response(errors.too_many_open(service.max_open))
-        try:
-            body = await read_json(service, field_status)
-            result = await handler(service, body)
-        except errors.ApiError as error:
-            exchange.finish(error.status)
-            return error_response(error)
-        except HTTPException as error:
-            exchange.finish(error.code or 400)
-            raise
-        except BaseException:
-            exchange.finish(499)
-            raise
-        finally:
-            service.open_requests.leave()
-        exchange.prompt_tokens = result["usage"]["input_tokens"]
-        exchange.finish(200)
-        return json_response(result)
-
-    @app.post("/v1/decisions")
-    async def decisions():
-        return await decide("decisions", decision_routes.decisions, decision_routes.DECISIONS_STATUS)
-
-    @app.post("/v1/systemone")
-    async def systemone():
-        return await decide("systemone", decision_routes.systemone, decision_routes.SYSTEMONE_STATUS)
-
-    @app.errorhandler(errors.ApiError)
-    async def api_error(error: errors.ApiError):
-        return error_response(error)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException):
-        if isinstance(error, RequestEntityTooLarge):
-            return error_response(errors.body_too_large(service.max_body))
-        if isinstance(error, RequestTimeout):
-            return error_response(errors.body_timeout(service.body_timeout))
-        if isinstance(error, NotFound):
-            return error_response(errors.not_found())
-        if isinstance(error, MethodNotAllowed):
-            return error_response(errors.method_not_allowed())
-        return error_response(errors.ApiError(error.code or 400, error.description or "bad request", code="http_error"))
-
-    @app.errorhandler(Exception)
-    async def unexpected(error: Exception):
-        service.log.exception("unexpected error on %s %s", request.method, request.path)
-        return error_response(errors.internal())
-
-    return app
-
-
-def tokenize_body(service: Service, body: dict, parts: list | None = None) -> list[int]:
-    tokenizer = service.tokenizer
-    if "messages" in body:
-        from .parse import messages
-
-        try:
-            text = tokenizer.render_chat(messages(body, service.vision, parts),
-                                         add_generation_prompt=bool(body.get("add_generation_prompt", True)))
-        except ChatTemplateError as error:
-            raise errors.chat_template(str(error)) from None
-        return tokenizer.encode_prompt(text)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        raise errors.wrong_type("prompt", "a string")
-    special = body.get("add_special_tokens", True)
-    if not isinstance(special, bool):
-        raise errors.wrong_type("add_special_tokens", "a boolean")
-    return tokenizer.encode(prompt, add_special_tokens=special)
+    async def tokenizer_info(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return json_response(tokenizer_info(self.service))

@@ -210,6 +210,16 @@ def internal() -> ApiError:
     return ApiError(500, "the server failed to answer this request", type="server_error", code="internal_error")
 
 
+def out_of_memory() -> ApiError:
+    return ApiError(503, "the server ran out of memory answering this request; retry shortly", type="server_error",
+                    code="out_of_memory", retry_after=1)
+
+
+def malformed_request(status: int = 400) -> ApiError:
+    """A request the HTTP/1.1 parser refused (a bad request line, header or framing)."""
+    return ApiError(status, "the request is not valid HTTP/1.1", code="malformed_request")
+
+
 def model_failed() -> ApiError:
     return ApiError(503, "the model failed and the server is stopping", type="server_error", code="model_failed")
 

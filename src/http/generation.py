@@ -6,7 +6,6 @@ core frees their lanes at the next pass boundary. Every wait is bounded by the r
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
@@ -15,6 +14,7 @@ import trio
 from ..core.sampling import SamplingParams
 from ..core.stream import Failed, Finished, PromptLogprobs, Request, Stream, TokenEvent
 from . import errors
+from .exchange import Timing
 
 
 @dataclass
@@ -44,28 +44,6 @@ class Choice:
             self.cached_tokens = event.cached_tokens
         elif isinstance(event, Failed):
             raise errors.from_engine(event.error)
-
-
-@dataclass
-class Timing:
-    """When the request started and when its first token came (for the log line and the histograms)."""
-
-    started: float = field(default_factory=time.perf_counter)
-    first_token: float | None = None
-    last_token: float | None = None
-    gaps: list[float] = field(default_factory=list)
-
-    def token(self) -> None:
-        now = time.perf_counter()
-        if self.first_token is None:
-            self.first_token = now
-        elif self.last_token is not None:
-            self.gaps.append(now - self.last_token)
-        self.last_token = now
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.started
 
 
 def sampling_for(sampling: SamplingParams, index: int) -> SamplingParams:

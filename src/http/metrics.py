@@ -12,29 +12,49 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 class Metrics:
     """One registry a server (no module-level state): request counters and latency histograms, plus the
-    lane core's statistics read at scrape time."""
+    lane core's statistics read at scrape time; every series carries the served model's `model_name`."""
 
-    def __init__(self, core_stats: Callable[[], object], cache_stats: Callable[[], object | None] = lambda: None,
+    def __init__(self, model_name: str, core_stats: Callable[[], object],
+                 cache_stats: Callable[[], object | None] = lambda: None,
                  ranks: Callable[[], tuple[int, object | None]] = lambda: (1, None)) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("lanes_requests", "Requests answered, by endpoint and status.", ["endpoint", "status"],
-                                registry=self.registry)
-        self.prompt_tokens = Counter("lanes_prompt_tokens", "Prompt tokens of answered requests.", registry=self.registry)
-        self.completion_tokens = Counter("lanes_completion_tokens", "Tokens generated.", registry=self.registry)
+        named = {"registry": self.registry, "labelnames": ["model_name"]}
+        requests = Counter("lanes_requests", "Requests answered, by endpoint and status.",
+                           ["model_name", "endpoint", "status"], registry=self.registry)
+        self.requests = _Named(requests, model_name)
+        self.prompt_tokens = Counter("lanes_prompt_tokens", "Prompt tokens of answered requests.", **named).labels(model_name)
+        self.completion_tokens = Counter("lanes_completion_tokens", "Tokens generated.", **named).labels(model_name)
         self.ttft = Histogram("lanes_time_to_first_token_seconds", "Time from request to its first token.",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+                              buckets=LATENCY_BUCKETS, **named).labels(model_name)
         self.inter_token = Histogram("lanes_inter_token_seconds", "Time between a stream's tokens.",
-                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+                                     buckets=LATENCY_BUCKETS, **named).labels(model_name)
         self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
-                                  registry=self.registry)
-        self.registry.register(_CoreCollector(core_stats, cache_stats, ranks))
+                                  **named).labels(model_name)
+        self.registry.register(_CoreCollector(model_name, core_stats, cache_stats, ranks))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class _Named:
+    """A counter with the model's name put first among its labels."""
+
+    def __init__(self, counter: Counter, model_name: str) -> None:
+        self.counter, self.model_name = counter, model_name
+
+    def labels(self, *values: str):
+        return self.counter.labels(self.model_name, *values)
+
+
+def _family(kind, name: str, doc: str, model_name: str, value: float):
+    family = kind(name, doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
+
+
 class _CoreCollector:
-    def __init__(self, core_stats, cache_stats, ranks) -> None:
+    def __init__(self, model_name, core_stats, cache_stats, ranks) -> None:
+        self.model_name = model_name
         self.core_stats = core_stats
         self.cache_stats = cache_stats
         self.ranks = ranks
@@ -47,9 +67,12 @@ class _CoreCollector:
             "lanes_queue_length": ("Requests waiting for a lane.", stats.queued),
             "lanes_kv_blocks_total": ("KV blocks in the pool.", stats.blocks_total),
             "lanes_kv_blocks_free": ("KV blocks free.", stats.blocks_free),
+            "lanes_kv_usage_fraction": ("Fraction of KV blocks not free (lanes, decisions and the prompt cache).",
+                                        1 - stats.blocks_free / stats.blocks_total if stats.blocks_total else 0.0),
         }
+        name_ = self.model_name
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield _family(GaugeMetricFamily, name, doc, name_, value)
         counters = {
             "lanes_passes": ("Passes run.", stats.passes),
             "lanes_prefill_rows": ("Prompt rows run.", stats.prefill_rows),
@@ -57,12 +80,14 @@ class _CoreCollector:
             "lanes_streams_cancelled": ("Streams cancelled (clients gone or cancelled).", stats.streams_cancelled),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+            yield _family(CounterMetricFamily, name, doc, name_, value)
         world, followers = self.ranks()
-        yield GaugeMetricFamily("lanes_world_size", "Tensor-parallel ranks.", value=world)
+        yield _family(GaugeMetricFamily, "lanes_world_size", "Tensor-parallel ranks.", name_, world)
         if followers is not None:
-            yield GaugeMetricFamily("lanes_followers_up", "1 while the follower ranks answer.", value=float(followers.state == "up"))
-            yield CounterMetricFamily("lanes_follower_plans", "Plans broadcast to the followers.", value=followers.plans)
+            yield _family(GaugeMetricFamily, "lanes_followers_up", "1 while the follower ranks answer.", name_,
+                          float(followers.state == "up"))
+            yield _family(CounterMetricFamily, "lanes_follower_plans", "Plans broadcast to the followers.", name_,
+                          followers.plans)
         cache = self.cache_stats()
         if cache is not None:
             for name, doc, value in (
@@ -71,6 +96,7 @@ class _CoreCollector:
                 ("lanes_prompt_cache_hit_tokens", "Prompt tokens restored instead of recomputed.", cache.hit_tokens),
                 ("lanes_prompt_cache_evictions", "Cached blocks evicted.", cache.evictions),
             ):
-                yield CounterMetricFamily(name, doc, value=value)
-            yield GaugeMetricFamily("lanes_prompt_cache_held_bytes", "KV bytes the prompt cache holds.", value=cache.held_bytes)
-            yield GaugeMetricFamily("lanes_prompt_cache_entries", "Cached blocks.", value=cache.entries)
+                yield _family(CounterMetricFamily, name, doc, name_, value)
+            yield _family(GaugeMetricFamily, "lanes_prompt_cache_held_bytes", "KV bytes the prompt cache holds.", name_,
+                          cache.held_bytes)
+            yield _family(GaugeMetricFamily, "lanes_prompt_cache_entries", "Cached blocks.", name_, cache.entries)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from typing import AsyncIterator, Sequence
 
 import trio
@@ -16,7 +15,8 @@ from ..core.sampling import InvalidParameter
 from ..core.stream import EngineError, Finished, Failed, PromptLogprobs, TokenEvent
 from ..text.chat import ChatTemplateError
 from . import errors, parse
-from .generation import Choice, Timing, close_all, collect, events, open_streams
+from .exchange import Exchange
+from .generation import Choice, close_all, collect, events, open_streams
 from .service import Service
 
 
@@ -27,37 +27,6 @@ def check_model(service: Service, body: dict) -> str:
     if name not in (service.model_name, "default", ""):
         raise errors.unknown_model(name, service.model_name)
     return service.model_name
-
-
-class Exchange:
-    """One request's bookkeeping for its log line and metrics, finished exactly once."""
-
-    def __init__(self, service: Service, endpoint: str) -> None:
-        self.service, self.endpoint = service, endpoint
-        self.id = uuid.uuid4().hex[:24]
-        self.timing = Timing()
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self._done = False
-
-    def finish(self, status: int) -> None:
-        if self._done:
-            return
-        self._done = True
-        m, t = self.service.metrics, self.timing
-        total = time.perf_counter() - t.started
-        m.requests.labels(self.endpoint, str(status)).inc()
-        m.prompt_tokens.inc(self.prompt_tokens)
-        m.completion_tokens.inc(self.completion_tokens)
-        m.duration.observe(total)
-        if t.ttft is not None:
-            m.ttft.observe(t.ttft)
-        for gap in t.gaps:
-            m.inter_token.observe(gap)
-        ttft = "-" if t.ttft is None else f"{t.ttft:.3f}s"
-        self.service.log.info("%s %s status=%d prompt=%d completion=%d ttft=%s total=%.3fs", self.id, self.endpoint,
-                              status, self.prompt_tokens, self.completion_tokens, ttft, total)
 
 
 async def submit(service: Service, prompt: Sequence[int], common: parse.Common, deadline: float, param: str, media=()):
@@ -116,7 +85,7 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
     prompt = tokenizer.encode_prompt(text)
-    deadline = trio.current_time() + service.request_timeout
+    deadline = exchange.deadline = trio.current_time() + service.request_timeout
     prompt, media = await with_media(service, prompt, parts, deadline, "messages")
     exchange.prompt_tokens = len(prompt)
     streams = await submit(service, prompt, common, deadline, "messages", media)
@@ -140,7 +109,6 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
 
 async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncIterator[str]:
     chunk = {**head, "object": "chat.completion.chunk"}
-    status = 200
     try:
         for index in range(len(streams)):
             yield sse({**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -164,15 +132,11 @@ async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncI
                                                               exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
-        status = error.status
+        exchange.status = error.status  # the stream's status as the log line reports it
         yield sse(error.body())
         yield "data: [DONE]\n\n"
-    except BaseException:
-        status = 499  # the client went away mid-stream (or a bug, which the log shows)
-        raise
     finally:
         await close_all(streams)
-        exchange.finish(status)
 
 
 def sse(payload: dict) -> str:
@@ -227,7 +191,7 @@ async def completions(service: Service, body: dict, exchange: Exchange):
     parts = parse.completion_images(body, service.vision)
     model = check_model(service, body)
     ids = prompt_ids(service, prompts)
-    deadline = trio.current_time() + service.request_timeout
+    deadline = exchange.deadline = trio.current_time() + service.request_timeout
     media = ()
     if parts:
         ids[0], media = await with_media(service, with_placeholders(service, ids[0], len(parts)), parts, deadline, "prompt")
@@ -243,7 +207,10 @@ async def completions(service: Service, body: dict, exchange: Exchange):
     head = {"id": f"cmpl-{exchange.id}", "created": int(time.time()), "model": model}
     echoes = [service.tokenizer.decode(p, skip_special_tokens=False) if echo else "" for p in ids for _ in range(common.n)]
     if common.stream:
-        return completion_sse(service, streams, common, head, deadline, exchange, echoes)
+        # Where each choice's first generated token starts, counted as completion_logprobs counts offsets.
+        starts = [sum(len(token_text(service, t)) for t in p) if echo and common.sampling.logprobs else 0
+                  for p in ids for _ in range(common.n)]
+        return completion_sse(service, streams, common, head, deadline, exchange, echoes, starts)
     choices = await collect(streams, deadline, exchange.timing)
     exchange.completion_tokens = sum(len(c.tokens) for c in choices)
     out = []
@@ -257,9 +224,9 @@ async def completions(service: Service, body: dict, exchange: Exchange):
             "usage": usage(exchange.prompt_tokens, exchange.completion_tokens, cached)}
 
 
-async def completion_sse(service, streams, common, head, deadline, exchange, echoes) -> AsyncIterator[str]:
+async def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
     chunk = {**head, "object": "text_completion"}
-    status = 200
+    offsets = list(starts)  # where each choice's next token starts
     try:
         for index, text in enumerate(echoes):
             if text:
@@ -272,7 +239,8 @@ async def completion_sse(service, streams, common, head, deadline, exchange, ech
                     text = token_text(service, event.token)
                     logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
                                 "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
-                                "text_offset": [0]}
+                                "text_offset": [offsets[index]]}
+                    offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
                 if event.text or logprobs:
                     yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}]})
             elif isinstance(event, Finished):
@@ -286,12 +254,8 @@ async def completion_sse(service, streams, common, head, deadline, exchange, ech
                                                               exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
-        status = error.status
+        exchange.status = error.status  # the stream's status as the log line reports it
         yield sse(error.body())
         yield "data: [DONE]\n\n"
-    except BaseException:
-        status = 499  # the client went away mid-stream (or a bug, which the log shows)
-        raise
     finally:
         await close_all(streams)
-        exchange.finish(status)

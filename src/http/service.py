@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.lane_core import LaneCore
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
+from .protocol import ServerLimits
 from .tool_system import ToolSystem
 
 if TYPE_CHECKING:
@@ -52,6 +54,9 @@ class Service:
     max_body: int = MAX_BODY
     max_headers: int = MAX_HEADERS
     body_timeout: float = 30.0
+    send_timeout: float = 30.0  # a write that makes no progress this long ends its response
+    idle_timeout: float = 30.0  # a kept-alive connection waits this long for its next request
+    send_buffer: int | None = None  # SO_SNDBUF of each connection (None: the kernel sizes it)
     max_open: int = 1024
     tool_system: "ToolSystem | None" = None
     followers: object = None  # rank 0's Followers when there are ranks above 0
@@ -63,10 +68,23 @@ class Service:
     def __post_init__(self) -> None:
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
         self.open_requests = OpenRequests(self.max_open)
+        self.created = int(time.time())  # when this server started serving its model (/v1/models)
         if self.metrics is None:
             cache = self.core.cache
-            self.metrics = Metrics(self.core.statistics, cache.statistics if cache is not None else (lambda: None),
+            self.metrics = Metrics(self.model_name, self.core.statistics,
+                                   cache.statistics if cache is not None else (lambda: None),
                                    lambda: (self.tp, self.followers.statistics() if self.followers else None))
+
+    @property
+    def limits(self) -> ServerLimits:
+        return ServerLimits(max_body=self.max_body, max_headers=self.max_headers, body_timeout=self.body_timeout,
+                            idle_timeout=self.idle_timeout, send_timeout=self.send_timeout,
+                            send_buffer=self.send_buffer)
+
+    def model_card(self) -> dict:
+        """The served model as /v1/models lists it."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lanes",
+                "max_model_len": self.max_model_len}
 
     def info(self) -> dict:
         stats = self.core.statistics()
@@ -88,6 +106,7 @@ class Service:
                 "max_header_bytes": self.max_headers,
                 "max_open_requests": self.max_open,
                 "open_requests": self.open_requests.open,
+                "send_timeout": self.send_timeout,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "prompt_cache": self._cache_info(),

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import trio
-
 from .checkpoint.errors import CheckpointError
+from .flags import add_serve_flags
 from .models import DEFAULT_MODEL, resolve_model
 
 
@@ -26,8 +25,6 @@ def parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    from .serve import add_serve_flags
-
     add_serve_flags(serve)
 
     fetch = commands.add_parser("fetch", help="download a default model into the cache (LANES_HOME or ~/.cache/lanes)")
@@ -62,6 +59,8 @@ async def _generate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    import trio  # after the parse: --help and bad flags answer without the engine's imports
+
     from .core.stream import BackendFailed
     from .gpu.device import DeviceError
     from .gpu.ranks import PeerLost, RankError

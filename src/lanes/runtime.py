@@ -1,7 +1,8 @@
 """The runtime: one nursery holding the lane core and the HTTP server; SIGINT and SIGTERM shut it down.
 
 Shutdown order: the lane core stops admitting and fails what waits, live streams get `grace` seconds to
-finish, then hypercorn stops and the nursery closes. A clean shutdown checks the lane core's books (every
+finish, then the HTTP server stops (idle connections close, answers under way get a few seconds) and the
+nursery closes. A clean shutdown checks the lane core's books (every
 lane free, every block back in the pool) and returns normally (exit 0); books that do not balance are a bug,
 logged and raised (exit non-zero).
 """
@@ -11,42 +12,19 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
-from functools import partial
 
-import hypercorn.trio
 import trio
-from hypercorn.config import Config
 
 from .core.commands import WarmCancelled
 from .core.lane_core import IntegrityError, LaneCore
 from .core.stream import BackendFailed, EngineError
 from .gpu.blocks import IntegrityError as PoolIntegrityError
 from .gpu.ranks import PeerLost
-from .http.app import create_app
+from .http.app import LanesApp
+from .http.server import HttpServer
 from .http.service import Service
 
 log = logging.getLogger("lanes")
-
-
-class ClientLeftRace(logging.Filter):
-    """hypercorn closes a connection whose client has gone without taking its send lock, so the app's last
-    write can meet that close: a BusyResourceError no client sees. One debug line, not a traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if error is not None and all(isinstance(leaf, trio.BusyResourceError) for leaf in leaves(error)):
-            log.debug("a client left while its response was being written")
-            return False
-        return True
-
-
-def leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for inner in error.exceptions for leaf in leaves(inner)]
-    return [error]
-
-
-HYPERCORN_ERRORS = logging.getLogger("hypercorn.error")
 
 
 @dataclass(frozen=True)
@@ -56,7 +34,8 @@ class Listening:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
 
 class Runtime:
@@ -66,7 +45,6 @@ class Runtime:
         self.service = service
         self.host, self.port, self.grace = host, port, grace
         self._stop = trio.Event()  # set by request_stop (a signal, or a test)
-        self._http_stop = trio.Event()  # set by run once the lane core has drained
         self.listening: Listening | None = None
         self.failure: Exception | None = None  # what ended the server, if it did not stop cleanly
 
@@ -75,33 +53,26 @@ class Runtime:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         core: LaneCore = self.service.core
-        config = Config()
-        config.bind = [f"{self.host}:{self.port}"]
-        config.accesslog = None  # the server logs one line a request itself
-        config.graceful_timeout = 5.0
-        config.h11_max_incomplete_size = 4 * self.service.max_headers  # a protocol backstop behind the app's 431
-        config.read_timeout = 60  # a connection that sends nothing is closed
-        config.keep_alive_timeout = 30
-        if not any(isinstance(f, ClientLeftRace) for f in HYPERCORN_ERRORS.filters):
-            HYPERCORN_ERRORS.addFilter(ClientLeftRace())
+        server = HttpServer(LanesApp(self.service), self.service.limits)
         followers = self.service.followers
         async with trio.open_nursery() as nursery:
             if followers is not None:
                 await nursery.start(self._guard, followers.run)
             await nursery.start(self._guard, core.run)
-            binds = await nursery.start(partial(hypercorn.trio.serve, create_app(self.service), config,
-                                                shutdown_trigger=self._http_stop.wait))
-            host, _, port = binds[0].rpartition(":")
-            self.listening = Listening(host.removeprefix("http://").strip("[]"), int(port))
+            bound = await nursery.start(server.run, self.host, self.port)
+            host, port = bound[0]
+            self.listening = Listening(host, port)
             log.info("serving %s on %s", self.service.model_name, self.listening.url)
             if self.service.tool_system is not None and core.cache is not None:
                 nursery.start_soon(self._warm_tool_system)
             task_status.started(self.listening)
             await self._stop.wait()
+            live = core.statistics().lanes_busy
             if self.failure is None:
-                log.info("shutting down: %.0f s for live streams to finish", self.grace)
+                log.info("shutting down: %s", f"{self.grace:g} s for {live} live streams to finish" if live
+                         else "no live streams")
             await core.shutdown(self.grace if self.failure is None else 0.0)  # returns at once if it failed
-            self._http_stop.set()  # hypercorn lets the failed requests write their errors first
+            server.begin_close()  # the failed requests write their errors first
             if followers is not None:
                 if self.failure is None:
                     await followers.stop()  # every rank exits once the lane core has stopped

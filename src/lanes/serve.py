@@ -19,7 +19,7 @@ from .gpu.device import choose, runner_for
 from .heap import freeze_startup_heap
 from .http.service import Service
 from .loader import load_model
-from .models import DEFAULT_MODEL, DEFAULTS, resolve_model
+from .models import DEFAULTS, resolve_model
 from .runtime import Runtime, watch_signals
 
 log = logging.getLogger("lanes.serve")
@@ -30,37 +30,6 @@ NOT_YET: dict[str, str] = {}
 
 class NotAvailable(Exception):
     """A flag asks for something this version cannot do."""
-
-
-def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder, a .gguf file or a default's name")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    parser.add_argument("--lanes", type=int, default=8, help="streams decoded together")
-    parser.add_argument("--max-rows", type=int, default=256, help="prompt rows a pass may carry")
-    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane (then 429)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
-    parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
-                        help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
-    parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")
-    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take, queue included")
-    parser.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds live streams get to finish at shutdown")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    parser.add_argument("--rank", type=int, default=None, help="this process's rank (with --tp)")
-    parser.add_argument("--master", default=None, help="rank 0's address (with --tp)")
-    parser.add_argument("--master-port", type=int, default=None, help="rank 0's port for torch.distributed (with --tp)")
-    parser.add_argument("--vision", action="store_true", help="accept image and video inputs")
-    parser.add_argument("--vision-urls", action="store_true", help="fetch public HTTPS image URLs")
-    parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
-    parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
-    parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")
-    parser.add_argument("--tool-system", default=None, help="system prompt file put before requests that carry tools")
-    parser.add_argument("--max-open", type=int, default=1024, help="generation and decision requests open at once (then 429)")
-    parser.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (then 408)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
 
 def refuse_unbuilt(args: argparse.Namespace) -> None:
@@ -115,7 +84,9 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     return Service(core, model.tokenizer, name, model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
-                   body_timeout=args.body_timeout, tp=spec.world if spec else 1, followers=followers,
+                   body_timeout=args.body_timeout, send_timeout=args.send_timeout, idle_timeout=args.keep_alive_timeout,
+                   send_buffer=args.send_buffer,
+                   tp=spec.world if spec else 1, followers=followers,
                    vision=args.vision, vision_inputs=vision_inputs(model, args.vision_urls) if args.vision else None)
 
 
@@ -143,7 +114,7 @@ def vision_inputs(model, urls: bool):
 
 async def serve(args: argparse.Namespace, spec: RankSpec | None = None) -> None:
     service = build_service(args, spec)
-    log.info("start-up done: %d objects kept out of the garbage collector's full collections", freeze_startup_heap())
+    log.debug("start-up done: %d objects kept out of the garbage collector's full collections", freeze_startup_heap())
     runtime = Runtime(service, host=args.host, port=args.port, grace=args.shutdown_grace)
     try:
         async with trio.open_nursery() as nursery:

@@ -88,6 +88,13 @@ class Adopt:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """A paused stream's consumer has read its buffer down: it gets rows again."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     grace: float
 

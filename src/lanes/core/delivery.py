@@ -5,12 +5,15 @@ its own.
 
 from __future__ import annotations
 
+from functools import partial
+
 import trio
 
+from .commands import Resume
 from .events import EventChannel
 from .media import check_media
 from .schedule import Job, Phase
-from .stream import EngineError, Failed, Finished, PromptTooLong, Request, Stream, TokenEvent
+from .stream import EngineError, Failed, Finished, PromptTooLong, Request, ShuttingDown, Stream, TokenEvent
 
 
 class Delivery:
@@ -38,7 +41,8 @@ class Delivery:
         return job
 
     def _open(self, job: Job) -> Stream:
-        channel = EventChannel()  # unbounded: delivery never blocks the pass loop
+        # Delivery never blocks the pass loop: a consumer that falls behind pauses its stream instead.
+        channel = EventChannel(self.stream_buffer, partial(self._send_resume, job.id))
         self._channels[job.id] = channel
         self._jobs[job.id] = job
         return Stream(job.id, channel, self.cancel)
@@ -48,7 +52,8 @@ class Delivery:
         if channel is None:
             return
         try:
-            channel.send_nowait(event)
+            if channel.send_nowait(event):
+                job.paused = True  # its consumer is `stream_buffer` events behind: no rows until it reads
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             job.cancelled = True  # the consumer went away; its lane is freed at the next boundary
             self._close(job)
@@ -57,6 +62,13 @@ class Delivery:
             self._counts["tokens_out"] += 1
         elif isinstance(event, (Finished, Failed)):
             self._close(job)
+
+    def _send_resume(self, stream_id: int) -> None:
+        """Called by a paused stream's consumer once it has read its buffer down."""
+        try:
+            self._send(Resume(stream_id))
+        except ShuttingDown:
+            pass  # the engine has stopped: the stream ended with it
 
     def _answer(self, job: Job, event: Finished | Failed) -> None:
         """Give a job its last event (if it has none yet); its lane, if any, is freed at the next boundary."""

@@ -1,16 +1,23 @@
-"""A stream's event channel: the lane core sends, one client task receives, and it is never full.
+"""A stream's event channel: the lane core sends, one client task receives, and a send never blocks.
 
 It keeps the behaviour of a trio memory channel that the lane core and clients rely on (`receive`,
 `receive_nowait`, `aclose`, `async for`; EndOfChannel once the sender has closed and the events are
 read; BrokenResourceError for a sender whose receiver has gone) with none of its generality (many
-senders and receivers, clones, a bounded buffer, statistics). Every token of every stream passes
-through one: a trio channel cost ~2.7 us more an event (bench/lane_core.py, docs/DECISIONS.md).
+senders and receivers, clones, statistics). Every token of every stream passes through one: a trio
+channel cost ~2.7 us more an event (bench/lane_core.py, docs/DECISIONS.md).
+
+Its bound is soft, because the pass loop must never wait on a client: a send that brings the buffer to
+`capacity` events says so (the lane core then gives the stream no more rows), and the receive that brings
+a full buffer back to half of it calls `on_drain` once (the stream is resumed).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Generic, TypeVar
+
+import math
+from typing import Callable
 
 import outcome
 import trio
@@ -23,17 +30,21 @@ class EventChannel(Generic[T]):
     """The two ends in one object: the lane core keeps it as the sender, the client holds it as
     `Stream.events`."""
 
-    __slots__ = ("_items", "_waiter", "_sender_closed", "_receiver_closed")
+    __slots__ = ("_items", "_waiter", "_sender_closed", "_receiver_closed", "_capacity", "_on_drain", "_full")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: float = math.inf, on_drain: Callable[[], None] | None = None) -> None:
         self._items: deque[T] = deque()
         self._waiter: trio.lowlevel.Task | None = None  # the task blocked in `receive`
         self._sender_closed = False
         self._receiver_closed = False
+        self._capacity = capacity
+        self._on_drain = on_drain  # called by the receiving task when a full buffer is back to half
+        self._full = False  # set by a send that filled the buffer, cleared by the receive that halved it
 
     # ---- the sender's end (the lane core) ----
 
-    def send_nowait(self, value: T) -> None:
+    def send_nowait(self, value: T) -> bool:
+        """Buffer `value` (or hand it to the waiting receiver); True when the buffer has just become full."""
         if self._sender_closed:
             raise trio.ClosedResourceError("the sender has closed this channel")
         if self._receiver_closed:
@@ -42,8 +53,13 @@ class EventChannel(Generic[T]):
         if waiter is not None:
             self._waiter = None
             trio.lowlevel.reschedule(waiter, outcome.Value(value))
-        else:
-            self._items.append(value)
+            return False
+        items = self._items
+        items.append(value)
+        if len(items) >= self._capacity and not self._full:
+            self._full = True
+            return True
+        return False
 
     def close_sender(self) -> None:
         """No more events: the receiver reads what is left, then EndOfChannel. Idempotent."""
@@ -55,6 +71,11 @@ class EventChannel(Generic[T]):
     @property
     def receiver_closed(self) -> bool:
         return self._receiver_closed
+
+    @property
+    def buffered(self) -> int:
+        """Events sent and not yet received."""
+        return len(self._items)
 
     # ---- the receiver's end (the client) ----
 
@@ -80,8 +101,14 @@ class EventChannel(Generic[T]):
         """The next event waiting, or _EMPTY (no exception: this runs for every token)."""
         if self._receiver_closed:
             raise trio.ClosedResourceError("this channel was closed")
-        if self._items:
-            return self._items.popleft()
+        items = self._items
+        if items:
+            value = items.popleft()
+            if self._full and len(items) <= self._capacity // 2:
+                self._full = False
+                if self._on_drain is not None:
+                    self._on_drain()
+            return value
         if self._sender_closed:
             raise trio.EndOfChannel
         return _EMPTY

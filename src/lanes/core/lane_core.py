@@ -18,7 +18,7 @@ from ..gpu.blocks import BlockPool, BlockTable, blocks_for
 from . import books, schedule
 from .books import CoreStats, IntegrityError  # noqa: F401  (re-exported)
 from .backend import Backend
-from .commands import Adopt, Cancel, CancelDecision, Decide, Reply, Shutdown, Submit, Warm, WarmCancelled, WarmResult
+from .commands import Adopt, Cancel, CancelDecision, Decide, Reply, Resume, Shutdown, Submit, Warm, WarmCancelled, WarmResult
 from .admission import CacheAdmission
 from .decider import Decider, DecisionRequest, DecisionResult
 from .delivery import Delivery
@@ -38,7 +38,7 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
                  max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
                  cache_bytes: int = 0, max_decisions: int = 64, decisions_idle_only: bool = False,
-                 run_ahead: bool = True) -> None:
+                 run_ahead: bool = True, stream_buffer: int = 256) -> None:
         shape = backend.shape
         self.backend = backend
         self.pool = BlockPool(shape.blocks, shape.block_size)
@@ -47,6 +47,7 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
         self.decider = Decider(self, max_decisions, idle_only=decisions_idle_only)
         self.limits = Limits(max_rows=max_rows)
         self.max_queue = max_queue
+        self.stream_buffer = stream_buffer  # events a consumer may fall behind before its stream pauses
         self.run_ahead = run_ahead  # plan the next decode pass before applying the last (docs/DECISIONS.md)
         self._feeds = shape.feeds  # the device can queue a decode pass fed by the draws of the one before
         self.max_model_len = shape.max_model_len
@@ -262,6 +263,11 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
             self._answer(job, Finished("cancelled", prompt_tokens=len(job.prompt)))
         else:
             job.cancelled = True
+
+    def _on_resume(self, command: Resume) -> None:
+        job = self._jobs.get(command.stream_id)
+        if job is not None:
+            job.paused = False
 
     def _on_decide(self, command: Decide) -> None:
         if self._closing:

@@ -64,6 +64,7 @@ class Job:
     media: tuple = ()  # PromptMedia in the prompt, handed to the backend when the job takes a lane
     key: tuple = ()  # the prompt as the prompt cache keys it: its tokens, media rows by their digests
     looked_up: object = None  # its prompt cache lookup, counted once it is placed
+    paused: bool = False  # its consumer is far behind: no decode rows until it has read (lane kept)
 
     def __post_init__(self) -> None:
         self.key = cache_key(self.prompt, self.media)
@@ -96,6 +97,8 @@ def plan(step: int, jobs: Sequence[Job], limits: Limits) -> Plan:
         if not job.live:
             continue
         if job.phase is Phase.DECODE:
+            if job.paused:
+                continue
             piece = Piece(job.lane, (job.pending,), job.done, tuple(job.table.blocks))
             decode.append(Work(piece, RowSampling(job.lane, job.sampling, len(job.generated))))
         elif len(prefill) < limits.max_prefills and budget > 0:  # prefilling lanes past the limits wait
@@ -121,7 +124,7 @@ def lookahead(step: int, plan: Plan, result: PassResult, jobs_by_lane: dict[int,
         job = jobs_by_lane[w.piece.lane]
         if job.kind != "stream" or sampled is None or w.targets or w.labels or job.sampling.needs_penalties:
             return None  # penalties would have the device state of a lane touched while it changes hands
-        if job.cancelled or job.outcome is not None:
+        if job.cancelled or job.outcome is not None or job.paused:
             continue
         if sampled.token in job.stop_tokens(stop_ids) or len(job.generated) + 1 >= job.max_new:
             continue
@@ -152,7 +155,7 @@ def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Ite
         piece = w.piece
         lane = piece.lane
         job = jobs_by_lane[lane]
-        if job.cancelled or job.outcome is not None:
+        if job.cancelled or job.outcome is not None or job.paused:
             continue
         sampled = drawn.get(lane, _UNKNOWN)
         if sampled is not _UNKNOWN and (sampled is None or sampled.token in job.stop_tokens(stop_ids)):

@@ -43,12 +43,14 @@ class Tokenizer:
         eos_ids: Iterable[int],
         pad_id: int | None,
         chat_template: ChatTemplate | None,
+        eos_id: int | None = None,
     ) -> None:
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
         self._bos_id = bos_id
         self._eos_ids = frozenset(eos_ids)
+        self._eos_id = eos_id if eos_id in self._eos_ids else min(self._eos_ids, default=None)
         self._pad_id = pad_id
         self._chat_template = chat_template
         added = backend.get_added_tokens_decoder()
@@ -88,6 +90,7 @@ class Tokenizer:
             eos_ids=(index for index in eos_ids if index is not None),
             pad_id=pad_id if isinstance(pad_id, int) else None,
             chat_template=template,
+            eos_id=backend.token_to_id(names["eos_token"]) if names["eos_token"] else None,
         )
         tokenizer._check_fits(path, vocab_size)
         return tokenizer
@@ -130,6 +133,7 @@ class Tokenizer:
             eos_ids=(index for index in eos_ids if index is not None),
             pad_id=token_id("padding", None),
             chat_template=template,
+            eos_id=eos_id,
         )
         tokenizer._check_fits(path, vocab_size)
         return tokenizer
@@ -160,6 +164,11 @@ class Tokenizer:
     @property
     def bos_id(self) -> int | None:
         return self._bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's own end-of-sequence id (its `eos_token`), one of `eos_ids`."""
+        return self._eos_id
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -1,0 +1,44 @@
+"""`lanes serve`'s flags, in a module that imports nothing heavy, so that `--help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+
+from .models import DEFAULT_MODEL
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder, a .gguf file or a default's name")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--lanes", type=int, default=8, help="streams decoded together")
+    parser.add_argument("--max-rows", type=int, default=256, help="prompt rows a pass may carry")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a lane (then 429)")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
+                        help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
+    parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")
+    parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take, queue included")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds live streams get to finish at shutdown")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument("--rank", type=int, default=None, help="this process's rank (with --tp)")
+    parser.add_argument("--master", default=None, help="rank 0's address (with --tp)")
+    parser.add_argument("--master-port", type=int, default=None, help="rank 0's port for torch.distributed (with --tp)")
+    parser.add_argument("--vision", action="store_true", help="accept image and video inputs")
+    parser.add_argument("--vision-urls", action="store_true", help="fetch public HTTPS image URLs")
+    parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
+    parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
+    parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")
+    parser.add_argument("--tool-system", default=None, help="system prompt file put before requests that carry tools")
+    parser.add_argument("--max-open", type=int, default=1024, help="generation and decision requests open at once (then 429)")
+    parser.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (then 408)")
+    parser.add_argument("--send-timeout", type=float, default=30.0,
+                        help="seconds a response write may make no progress before its request is ended")
+    parser.add_argument("--keep-alive-timeout", type=float, default=30.0,
+                        help="seconds an idle kept-alive connection waits for its next request")
+    parser.add_argument("--send-buffer", type=int, default=None,
+                        help="bytes of kernel send buffer a connection (SO_SNDBUF; default: the kernel's autotuning)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
