@@ -125,7 +125,10 @@ async def test_continue_final_message_continues_the_assistants_words(tiny_model)
         reply = await in_thread(lambda: greedy_chat(c, messages, extra_body={"add_generation_prompt": False,
                                                                              "continue_final_message": True}))
         closed = await in_thread(lambda: greedy_chat(c, messages, extra_body={"add_generation_prompt": False}))
-    assert reply.usage.prompt_tokens == len(ids)
+        flags = {"add_generation_prompt": False, "continue_final_message": True}  # vLLM lets the kwargs set them too
+        via_kwargs = await in_thread(lambda: greedy_chat(c, messages, extra_body={"chat_template_kwargs": flags}))
+    assert reply.usage.prompt_tokens == via_kwargs.usage.prompt_tokens == len(ids)
+    assert via_kwargs.choices[0].message.content == reply.choices[0].message.content
     assert reply.choices[0].message.content == model.tokenizer.decode(generate(reference, ids, 6))
     assert closed.usage.prompt_tokens == len(theirs.apply_chat_template(messages, tokenize=True)["input_ids"])
 

@@ -151,7 +151,8 @@ def parse_question(refuse: Refuse, raw: Any, at: str) -> tuple[Question, str | N
         label = refuse.string(lv["label"], f"{at}.levels[{i}].label")
         if any(o.name == label for o in options):  # as choices' values, so every answer names one level
             raise refuse(f"{at}.levels[{i}].label", f"'{at}.levels' labels must be distinct")
-        options.append(Option(label, refuse.string(lv.get("description"), f"{at}.levels[{i}].description", optional=True)))
+        description = refuse.string(lv.get("description"), f"{at}.levels[{i}].description", optional=True)
+        options.append(Option(label, description))
     return Question("score", instructions, tuple(options)), name
 
 

@@ -28,10 +28,10 @@ COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo
 UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities", "prediction",
                "web_search_options", "reasoning_effort", "service_tier"}
 # Variables the request sets itself, which chat_template_kwargs may not pass to the template.
-TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
+TEMPLATE_RESERVED = ("messages", "tools", "documents")
 MODEL_ALIASES = ("default", "")  # names that mean the served model (vLLM takes an empty one too)
 MAX_N = 16
-TOKEN_ID = re.compile("[0-9]+")  # a logit_bias key: a token id written in decimal
+TOKEN_ID = re.compile("0|[1-9][0-9]*")  # a logit_bias key: a token id in decimal, one spelling an id
 
 
 @dataclass(frozen=True)
@@ -152,16 +152,23 @@ def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: 
 
 def template_options(body: dict) -> dict:
     """What a chat request asks of the template beside its messages and tools: the generation prompt, an
-    open final message, and `chat_template_kwargs` (the template's own variables)."""
-    generation = boolean(body, "add_generation_prompt", True)
-    continued = boolean(body, "continue_final_message", False)
-    if generation and continued:
-        raise errors.generation_prompt_and_continue()
-    extra = _get(body, "chat_template_kwargs", (dict,), "an object", {})
+    open final message, and `chat_template_kwargs` (the template's own variables, whose flags win over
+    the request's, as in vLLM)."""
+    extra = dict(_get(body, "chat_template_kwargs", (dict,), "an object", {}))
     for name in TEMPLATE_RESERVED:
         if name in extra:
             raise errors.reserved_template_variable(f"chat_template_kwargs.{name}", name)
-    return {**extra, "add_generation_prompt": generation, "continue_final_message": continued}
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        flags[name] = boolean(body, name, default)
+        given = extra.pop(name, None)
+        if given is not None:
+            if not isinstance(given, bool):
+                raise errors.wrong_type(f"chat_template_kwargs.{name}", "a boolean")
+            flags[name] = given
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise errors.generation_prompt_and_continue()
+    return {**extra, **flags}
 
 
 def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tuple[list[dict], Common, dict]:

@@ -87,7 +87,8 @@ class SamplingParams:
 
     def check_ids(self, vocab_size: int) -> None:
         """Raises InvalidParameter for a token id the model's logits do not have (in logit_bias, stop_token_ids)."""
-        for param, ids in (("logit_bias", [token for token, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+        biased = [token for token, _ in self.logit_bias]
+        for param, ids in (("logit_bias", biased), ("stop_token_ids", self.stop_token_ids)):
             if not all(0 <= token < vocab_size for token in ids):
                 raise InvalidParameter(param, f"{param} token ids must be between 0 and {vocab_size - 1}")
 
@@ -193,7 +194,8 @@ def _adjust(scores: Tensor, rows: Sequence[RowSampling]) -> Tensor:
     if not at_rows:
         return scores
     device = scores.device
-    index = (torch.tensor(at_rows, dtype=torch.int64, device=device), torch.tensor(at_tokens, dtype=torch.int64, device=device))
+    index = (torch.tensor(at_rows, dtype=torch.int64, device=device),  # [N] rows
+             torch.tensor(at_tokens, dtype=torch.int64, device=device))  # [N] token ids
     # Out of place: `scores` may be the raw logits, which the logprobs are read from.
     return scores.index_put(index, torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
 

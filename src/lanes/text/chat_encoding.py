@@ -22,7 +22,8 @@ FIRST_MARKER, LAST_MARKER = 0xF0000, 0x10FFFD  # the supplementary private-use p
 PRIVATE_USE = re.compile("[\U000f0000-\U0010fffd]")
 
 
-def control_tokens(added: Mapping[int, tokenizers.AddedToken], template_text: str, listed: Iterable[str] | None) -> list[str]:
+def control_tokens(added: Mapping[int, tokenizers.AddedToken], template_text: str,
+                   listed: Iterable[str] | None) -> list[str]:
     """transformers' control tokens: every special token, and the added tokens the tokenizer config lists
     (`chat_control_tokens`) or else those in the template's literal text, whitespace tokens aside."""
     if listed is not None:
