@@ -30,7 +30,8 @@ def _mix(*numbers: int) -> int:
 class FakeBackend:
     """`pass_seconds` of (trio) time a pass; `fail_at` makes that pass number raise, to test a lost device.
     With `feeds`, a `fed` following pass runs when it is handed over (as a device queues it), reading the
-    tokens its lanes drew in the pass before."""
+    tokens its lanes drew in the pass before. Draws skip min_tokens' masked ids; logit_bias has no logits
+    to act on here and is not modelled."""
 
     lanes: int = 4
     blocks: int = 64
