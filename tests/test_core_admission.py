@@ -12,7 +12,7 @@ import trio
 from engine_helpers import Gated, collect, greedy, lanes_of, prompt, running, seeded, solo
 from lanes.core.fake import FakeBackend
 from lanes.core.sampling import InvalidParameter, SamplingParams
-from lanes.core.stream import Failed, Finished, PromptTooLong, QueueFull, QueueTimeout, Request
+from lanes.core.stream import EmptyPrompt, Failed, Finished, PromptTooLong, QueueFull, QueueTimeout, Request
 
 
 async def test_up_to_16_prompts_go_in_one_pass_in_arrival_order():
@@ -103,8 +103,12 @@ async def test_requests_that_cannot_fit_are_refused_by_name():
             await core.submit(Request(prompt(5), greedy(40)))
         with pytest.raises(InvalidParameter, match="temperature must be between 0 and 2"):
             await core.submit(Request(prompt(5), SamplingParams(temperature=3)))
-        with pytest.raises(PromptTooLong):
+        with pytest.raises(EmptyPrompt, match="the prompt is empty: a prompt needs at least one token"):
             await core.submit(Request((), greedy(1)))
+        with pytest.raises(InvalidParameter, match="logit_bias token ids must be between 0 and 49"):
+            await core.submit(Request(prompt(5), greedy(1, logit_bias=((50, 1.0),))))
+        with pytest.raises(InvalidParameter, match="stop_token_ids token ids must be between 0 and 49"):
+            await core.submit(Request(prompt(5), greedy(1, stop_token_ids=(3, -1))))
         ok = await collect(await core.submit(Request(prompt(5), SamplingParams(temperature=0, ignore_eos=True))))
     assert ok.last.reason == "length" and len(ok.tokens) == 35  # max_tokens absent: up to the model's length
 

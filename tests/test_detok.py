@@ -160,3 +160,43 @@ def test_the_table_gives_what_the_window_gives_push_by_push(byte_level, data):
     prompt = data.draw(st.lists(ids, max_size=9))
     generated = data.draw(st.lists(ids, max_size=14))
     assert stream(byte_level, generated, prompt) == generic(byte_level, generated, prompt)
+
+
+@pytest.fixture(scope="module")
+def odd_specials() -> Tokenizer:
+    """The byte-level BPE with specials the byte alphabet does not spell: their text decodes as they are."""
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(CORPUS, trainer)
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_end|>", "<｜end▁of▁sentence｜>", "Ġx<é>")])
+    return wrap(backend)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_special_tokens_stream_their_text_when_not_skipped(odd_specials, data):
+    tokenizer = odd_specials
+    specials = sorted(tokenizer.special_ids)
+    ids = st.one_of(st.sampled_from(byte_tokens(tokenizer)), st.sampled_from(specials), st.integers(0, tokenizer.vocab_size - 1))
+    prompt, generated = data.draw(st.lists(ids, max_size=6)), data.draw(st.lists(ids, max_size=12))
+    detok = tokenizer.detokenizer(prompt, skip_special_tokens=False)
+    assert isinstance(detok, ByteDetokenizer)
+    pushed = [detok.push(token) for token in generated] + [detok.flush()]
+    window = IncrementalDetokenizer(lambda batch: tokenizer.decode(batch, skip_special_tokens=False), prompt)
+    assert pushed == [window.push(token) for token in generated] + [window.flush()]
+    if not prompt:
+        assert "".join(pushed) == tokenizer.decode(generated, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("kind", ["odd_specials", "sentencepiece"])
+def test_a_special_token_gives_its_text_only_when_asked(kind, request):
+    tokenizer = request.getfixturevalue(kind)
+    special = max(tokenizer.special_ids)
+    ids = tokenizer.encode("hello", add_special_tokens=False) + [special] + tokenizer.encode("there", add_special_tokens=False)
+    skipped = tokenizer.detokenizer()
+    shown = tokenizer.detokenizer(skip_special_tokens=False)
+    texts = ["".join([d.push(t) for t in ids] + [d.flush()]) for d in (skipped, shown)]
+    assert texts == [tokenizer.decode(ids), tokenizer.decode(ids, skip_special_tokens=False)]
+    assert texts[0] != texts[1]

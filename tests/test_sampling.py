@@ -21,10 +21,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from lanes.core.penalties import PenaltyState
 from lanes.core.sampling import (
     GOLDEN,
     InvalidParameter,
-    PenaltyState,
     RowSampling,
     SamplingParams,
     greedy_draw,
@@ -154,8 +154,10 @@ def test_the_greedy_draw_is_bit_for_bit_what_sample_draws_for_plain_greedy_rows(
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0.0, top_logprobs=2, logprobs=True),
-                                    SamplingParams(temperature=0.0, presence_penalty=0.5)])
-def test_rows_that_sample_report_alternatives_or_use_penalties_are_not_plain(params):
+                                    SamplingParams(temperature=0.0, presence_penalty=0.5),
+                                    SamplingParams(temperature=0.0, logit_bias=((3, 0.0),)),
+                                    SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4)])
+def test_rows_that_sample_report_alternatives_use_penalties_bias_or_min_tokens_are_not_plain(params):
     assert not plain_greedy([RowSampling(0, SamplingParams(temperature=0.0), 0), RowSampling(1, params, 0)])
 
 
@@ -335,7 +337,12 @@ def test_rows_that_need_state_or_a_seed_are_refused_without_them():
         ({"frequency_penalty": -3.0}, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
         ({"frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty must be between -2 and 2"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "repetition_penalty must be greater than 0"),
-        ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1"),
+        ({"max_tokens": -1}, "max_tokens", "max_tokens must not be negative"),
+        ({"min_tokens": -1}, "min_tokens", "min_tokens must not be negative"),
+        ({"max_tokens": 3, "min_tokens": 4}, "min_tokens", "min_tokens must be at most max_tokens"),
+        ({"logit_bias": ((5, 100.5),)}, "logit_bias", "logit_bias values must be between -100 and 100"),
+        ({"logit_bias": ((5, -101.0),)}, "logit_bias", "logit_bias values must be between -100 and 100"),
+        ({"logit_bias": tuple((t, 1.0) for t in range(301))}, "logit_bias", "logit_bias may hold at most 300 tokens"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be between 0 and 20"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs must be between 0 and 20"),
         ({"top_logprobs": 3}, "top_logprobs", "top_logprobs requires logprobs to be true"),
@@ -355,7 +362,9 @@ def test_validate_accepts_the_edges_of_every_range():
     SamplingParams(
         temperature=2.0, top_p=1.0, top_k=0, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0,
         repetition_penalty=0.01, max_tokens=1, logprobs=True, top_logprobs=20, stop=("a", "b", "c", "d"),
+        min_tokens=1, logit_bias=tuple((t, 100.0 if t % 2 else -100.0) for t in range(300)),
     ).validate()
+    SamplingParams(max_tokens=0, prompt_logprobs=True).validate()
     SamplingParams(temperature=0.0, top_p=1e-9, logprobs=True, top_logprobs=0).validate()
 
 

@@ -160,3 +160,52 @@ def test_assembler_after_a_prompt_and_at_a_cut_character(tokenizer):
     pieces = [assembler.push(token) for token in ids[:-1]]  # the last byte of 日 never arrives
     assert all(not stopped for _, stopped in pieces)
     assert "".join(text for text, _ in pieces) + assembler.finish() == " ok " + REPLACEMENT
+
+
+def cut_after(text: str, stops: list[str], armed_from: int, include: bool) -> tuple[str, bool]:
+    """vLLM's cut: the first stop string to complete past the first `armed_from` characters (the text of
+    the first min_tokens tokens, never checked), cut before it or, with `include`, after it."""
+    for end in range(armed_from + 1, len(text) + 1):
+        ending = [stop for stop in stops if text[:end].endswith(stop)]
+        if ending:
+            return (text[:end] if include else text[: end - max(map(len, ending))]), True
+    return text, False
+
+
+@pytest.mark.parametrize(("text", "stops"), [("abababcab", ["abc", "bab"]), ("xabcab", ["abc", "ab"]),
+                                             ("aaaaab", ["aaab", "aab"]), ("xxabcdyy", ["bcd", "abcd", "cd"])])
+@pytest.mark.parametrize("include", [False, True])
+def test_text_of_the_first_tokens_never_ends_a_match_and_include_keeps_it(text, stops, include):
+    for deltas in splits(text):
+        for unarmed in range(len(deltas) + 1):
+            expected, will_stop = cut_after(text, stops, len("".join(deltas[:unarmed])), include)
+            matcher, emitted, stopped = StopStrings(stops, include), "", False
+            for i, delta in enumerate(deltas):
+                piece, stopped = matcher.push(delta, armed=i >= unarmed)
+                emitted += piece
+                assert expected.startswith(emitted), (deltas, unarmed)
+                if stopped:
+                    break
+            assert stopped == will_stop
+            assert (emitted if stopped else emitted + matcher.flush()) == expected, (deltas, unarmed)
+
+
+def test_the_assembler_holds_stops_off_for_min_tokens_as_vllm(tokenizer):
+    # vLLM's own case (tests/detokenizer/test_min_tokens.py), on this tokenizer's tokens: the stop "e" in
+    # the text of the first tokens (through " I", five tokens of OPT's) is passed over.
+    ids = tokenizer.encode(" is Lee, and I'm a student in the college of engineering", add_special_tokens=False)
+    pieces = [tokenizer.decode([token]) for token in ids]
+    through_i = next(m for m in range(len(ids)) if "".join(pieces[:m]) == " is Lee, and I")
+    for min_tokens in (0, 3, through_i):
+        assembler = TextAssembler(tokenizer.detokenizer(), ["e"], min_tokens=min_tokens)
+        out = ""
+        for token in ids:
+            text, stopped = assembler.push(token)
+            out += text
+            if stopped:
+                break
+        assert out == cut_after("".join(pieces), ["e"], len("".join(pieces[:min_tokens])), False)[0]
+    assert out == " is Lee, and I'm a stud"  # vLLM's answer
+    assembler = TextAssembler(tokenizer.detokenizer(), ["ll"], include_stop=True)
+    text = "".join(assembler.push(token)[0] for token in ids)
+    assert text == " is Lee, and I'm a student in the coll"

@@ -62,7 +62,7 @@ def render(tokenizer: Tokenizer, system: str | None, state: str | Sequence[dict]
     else:
         content = [*state, {"type": "text", "text": f"\n\n{question.block()}"}]
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-    return tokenizer.encode_prompt(tokenizer.render_chat(messages, add_generation_prompt=True, enable_thinking=False))
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=False)
 
 
 class LabelsNotSingleTokens(Exception):

@@ -16,6 +16,7 @@ import trio
 from ..core.decider import DecisionRequest, DecisionTimeout
 from ..core.stream import EngineError
 from . import errors
+from .parse import MODEL_ALIASES
 from .decision_media import DecisionInput, parse_input, place_assets, with_images
 from .decision_prompts import LabelsNotSingleTokens, Option, Question, entry_text, find_label_tokens, probabilities, render, score_value
 from .service import Service
@@ -72,6 +73,13 @@ class Refuse:
             noun = "a list" if kind is list else "an object"
             raise self(field, f"'{field}' must be {noun} of {low} to {high} items")
         return value
+
+
+def served_model(service: Service, name: str) -> str:
+    """The served model's name for `name` (itself or an alias, as chat and completions take them)."""
+    if name not in (service.model_name, *MODEL_ALIASES):
+        raise errors.unknown_model(name, service.model_name)
+    return service.model_name
 
 
 def check_length(service: Service, prompts: list[list[int]], param: str, status: int) -> None:
@@ -140,8 +148,11 @@ def parse_question(refuse: Refuse, raw: Any, at: str) -> tuple[Question, str | N
     options = []
     for i, level in enumerate(levels):
         lv = refuse.fields(level, f"{at}.levels[{i}]", {"label", "description"}, {"label"})
-        options.append(Option(refuse.string(lv["label"], f"{at}.levels[{i}].label"),
-                              refuse.string(lv.get("description"), f"{at}.levels[{i}].description", optional=True)))
+        label = refuse.string(lv["label"], f"{at}.levels[{i}].label")
+        if any(o.name == label for o in options):  # as choices' values, so every answer names one level
+            raise refuse(f"{at}.levels[{i}].label", f"'{at}.levels' labels must be distinct")
+        description = refuse.string(lv.get("description"), f"{at}.levels[{i}].description", optional=True)
+        options.append(Option(label, description))
     return Question("score", instructions, tuple(options)), name
 
 
@@ -149,9 +160,7 @@ async def decisions(service: Service, body: dict) -> dict:
     refuse = Refuse(DECISIONS_STATUS)
     refuse.fields(body, "", {"model", "input", "questions", "safety_identifier", "prompt_cache_key"},
                   {"model", "input", "questions"})
-    model = refuse.string(body["model"], "model")
-    if model not in (service.model_name, "default"):
-        raise errors.unknown_model(model, service.model_name)
+    model = served_model(service, refuse.string(body["model"], "model"))
     refuse.string(body.get("safety_identifier"), "safety_identifier", 128, optional=True)
     refuse.string(body.get("prompt_cache_key"), "prompt_cache_key", 64, optional=True)
     deadline = trio.current_time() + service.decision_timeout  # fetching its images counts toward it
@@ -202,9 +211,7 @@ def parse_systemone_question(refuse: Refuse, raw: Any, at: str) -> Question:
 async def systemone(service: Service, body: dict) -> dict:
     refuse = Refuse(SYSTEMONE_STATUS)
     refuse.fields(body, "", {"model", "state", "questions", "assets"}, {"state", "questions"})
-    model = refuse.string(body.get("model", service.model_name), "model")
-    if model not in (service.model_name, "default"):
-        raise errors.unknown_model(model, service.model_name)
+    model = served_model(service, refuse.string(body.get("model", service.model_name), "model"))
     deadline = trio.current_time() + service.decision_timeout  # fetching its assets counts toward it
     if body.get("assets") and not service.vision:
         raise errors.vision_off("assets", SYSTEMONE_STATUS)

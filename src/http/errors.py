@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 
 from ..core.sampling import InvalidParameter
-from ..core.stream import BackendFailed, EngineError, PromptTooLong, QueueFull, QueueTimeout, ShuttingDown
+from ..core.stream import BackendFailed, EmptyPrompt, EngineError, PromptTooLong, QueueFull, QueueTimeout, ShuttingDown
 
 INVALID = "invalid_request_error"
 
@@ -76,6 +76,37 @@ def unknown_parameter(param: str) -> ApiError:
 
 def unsupported(param: str) -> ApiError:
     return ApiError(400, f"'{param}' is not supported by this server", param=param, code="unsupported_parameter")
+
+
+def unknown_role(param: str, roles: tuple[str, ...]) -> ApiError:
+    return ApiError(400, f"'{param}' must be one of {', '.join(roles)}", param=param, code="invalid_value")
+
+
+def empty_prompt(param: str) -> ApiError:
+    """A prompt of no tokens (an empty string where the tokenizer adds no BOS): there is nothing to continue."""
+    return ApiError(400, f"the prompt in '{param}' is empty: a prompt needs at least one token", param=param,
+                    code="invalid_value")
+
+
+def logit_bias_key() -> ApiError:
+    return ApiError(400, "'logit_bias' keys must be token ids written as decimal integers", param="logit_bias",
+                    code="invalid_value")
+
+
+def max_tokens_zero() -> ApiError:
+    return ApiError(400, "max_tokens may be 0 only with echo (the prompt and its logprobs, no completion)",
+                    param="max_tokens", code="invalid_value")
+
+
+def generation_prompt_and_continue() -> ApiError:
+    return ApiError(400, "add_generation_prompt and continue_final_message cannot both be true; set "
+                         "add_generation_prompt to false to continue the final message", param="continue_final_message",
+                    code="invalid_value")
+
+
+def reserved_template_variable(param: str, name: str) -> ApiError:
+    return ApiError(400, f"'{param}' cannot be set: the request itself gives the template '{name}'", param=param,
+                    code="invalid_value")
 
 
 def unknown_model(name: str, served: str) -> ApiError:
@@ -232,6 +263,8 @@ def from_engine(error: Exception, prompt_param: str = "messages") -> ApiError:
         return queue_full()
     if isinstance(error, ShuttingDown):
         return shutting_down()
+    if isinstance(error, EmptyPrompt):
+        return empty_prompt(prompt_param)
     if isinstance(error, PromptTooLong):
         return context_exceeded(error.tokens, error.limit, prompt_param)
     if isinstance(error, QueueTimeout):

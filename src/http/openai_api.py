@@ -24,7 +24,7 @@ def check_model(service: Service, body: dict) -> str:
     name = body.get("model", service.model_name)
     if not isinstance(name, str):
         raise errors.wrong_type("model", "a string")
-    if name not in (service.model_name, "default", ""):
+    if name not in (service.model_name, *parse.MODEL_ALIASES):
         raise errors.unknown_model(name, service.model_name)
     return service.model_name
 
@@ -70,7 +70,7 @@ async def with_media(service: Service, prompt: Sequence[int], parts, deadline: f
 
 async def chat_completions(service: Service, body: dict, exchange: Exchange):
     parts = []
-    messages, common = parse.chat(body, service.vision, parts)
+    messages, common, template = parse.chat(body, service.vision, parts)
     model = check_model(service, body)
     tokenizer = service.tokenizer
     if tokenizer.chat_template is None:
@@ -80,11 +80,9 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
         messages = service.tool_system.put_in_front(messages, tools, tokenizer)
         tools = tools if service.tool_system.template_takes_tools else None
     try:
-        extra = body.get("chat_template_kwargs") or {}
-        text = tokenizer.render_chat(messages, tools=tools, **(extra if isinstance(extra, dict) else {}))
+        prompt = tokenizer.encode_chat(messages, tools=tools, **template)
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
-    prompt = tokenizer.encode_prompt(text)
     deadline = exchange.deadline = trio.current_time() + service.request_timeout
     prompt, media = await with_media(service, prompt, parts, deadline, "messages")
     exchange.prompt_tokens = len(prompt)

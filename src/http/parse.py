@@ -15,18 +15,23 @@ from typing import Any
 from ..core.sampling import InvalidParameter, SamplingParams
 from . import errors
 from .media_fetch import MediaPart
+from .parse_messages import messages, tools  # noqa: F401  (`messages` is also read by the tokenize route)
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "n", "stream", "stream_options", "ignore_eos", "user", "metadata",
-                   "store", "model"}
+                   "store", "model", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                   "skip_special_tokens"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
-                                 "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+                                 "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
+                                 "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "images"}
-UNSUPPORTED = {"logit_bias", "suffix", "functions", "function_call", "audio", "modalities", "prediction",
+UNSUPPORTED = {"suffix", "functions", "function_call", "audio", "modalities", "prediction",
                "web_search_options", "reasoning_effort", "service_tier"}
-MEDIA_PARTS = {"image_url", "input_image", "image", "video_url", "video", "input_audio"}
-VISION_PARTS = {"image_url": "image", "video_url": "video"}  # the media parts chat takes, and their template type
+# Variables the request sets itself, which chat_template_kwargs may not pass to the template.
+TEMPLATE_RESERVED = ("messages", "tools", "documents")
+MODEL_ALIASES = ("default", "")  # names that mean the served model (vLLM takes an empty one too)
 MAX_N = 16
+TOKEN_ID = re.compile("0|[1-9][0-9]*")  # a logit_bias key: a token id in decimal, one spelling an id
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,29 @@ def stops(body: dict) -> tuple[str, ...]:
     return tuple(value)
 
 
-def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int, prompt_logprobs: bool = False) -> Common:
+def logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token id strings to biases) as sorted (id, bias) pairs; null and {} are none."""
+    value = _get(body, "logit_bias", (dict,), "an object mapping token ids to biases", {})
+    pairs = []
+    for key, bias in value.items():
+        if not TOKEN_ID.fullmatch(key):
+            raise errors.logit_bias_key()
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise errors.wrong_type("logit_bias", "an object mapping token ids to biases")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def token_ids(body: dict, name: str) -> tuple[int, ...]:
+    value = _get(body, name, (list,), "a list of token ids", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise errors.wrong_type(name, "a list of token ids")
+    return tuple(value)
+
+
+def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int, prompt_logprobs: bool = False,
+           zero_tokens: bool = False) -> Common:
+    """What chat and completions share; `zero_tokens`: max_tokens may be 0 (completions' echo)."""
     n = integer(body, "n", 1)
     if not 1 <= n <= MAX_N:
         raise errors.out_of_range("n", f"n must be between 1 and {MAX_N}")
@@ -91,8 +118,9 @@ def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: 
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise errors.wrong_type("stream_options.include_usage", "a boolean")
-    if max_tokens is not None and max_tokens < 1:
+    if max_tokens is not None and max_tokens < (0 if zero_tokens else 1):
         raise errors.out_of_range("max_tokens", "max_tokens must be at least 1")
+    _get(body, "user", (str,), "a string")
     seed = integer(body, "seed", None)
     sampling = SamplingParams(
         temperature=number(body, "temperature", 1.0),
@@ -106,6 +134,11 @@ def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: 
         max_tokens=max_tokens,
         stop=stops(body),
         ignore_eos=boolean(body, "ignore_eos", False),
+        logit_bias=logit_bias(body),
+        min_tokens=integer(body, "min_tokens", 0),
+        stop_token_ids=token_ids(body, "stop_token_ids"),
+        include_stop_str_in_output=boolean(body, "include_stop_str_in_output", False),
+        skip_special_tokens=boolean(body, "skip_special_tokens", True),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -117,59 +150,29 @@ def common(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: 
     return Common(sampling, n, boolean(body, "stream", False), include_usage)
 
 
-def text_of(content: Any, index: int, vision: bool, media: list[MediaPart] | None = None) -> str | list[dict]:
-    """A message's content as text: a string, or a list of text parts (media parts refused without --vision).
-
-    With --vision, `image_url` and `video_url` parts are appended to `media` (in order) and the content
-    comes back as the template's parts (`{"type": "image"}`, `{"type": "text", ...}`) when it has any."""
-    where = f"messages[{index}].content"
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise errors.wrong_type(where, "a string or a list of content parts")
-    texts, parts = [], []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-            parts.append({"type": "text", "text": part["text"]})
-        elif kind in MEDIA_PARTS:
-            if not vision or media is None:
-                raise errors.vision_off()
-            if kind not in VISION_PARTS:
-                raise errors.unsupported(f"{where}[{j}].type")
-            media.append(media_part(part, kind, f"{where}[{j}]"))
-            parts.append({"type": VISION_PARTS[kind]})
-        else:
-            raise errors.wrong_type(where, "a string or a list of content parts")
-    return parts if len(parts) > len(texts) else "".join(texts)
+def template_options(body: dict) -> dict:
+    """What a chat request asks of the template beside its messages and tools: the generation prompt, an
+    open final message, and `chat_template_kwargs` (the template's own variables, whose flags win over
+    the request's, as in vLLM)."""
+    extra = dict(_get(body, "chat_template_kwargs", (dict,), "an object", {}))
+    for name in TEMPLATE_RESERVED:
+        if name in extra:
+            raise errors.reserved_template_variable(f"chat_template_kwargs.{name}", name)
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        flags[name] = boolean(body, name, default)
+        given = extra.pop(name, None)
+        if given is not None:
+            if not isinstance(given, bool):
+                raise errors.wrong_type(f"chat_template_kwargs.{name}", "a boolean")
+            flags[name] = given
+    if flags["add_generation_prompt"] and flags["continue_final_message"]:
+        raise errors.generation_prompt_and_continue()
+    return {**extra, **flags}
 
 
-def media_part(part: dict, kind: str, where: str) -> MediaPart:
-    """An OpenAI `image_url` / `video_url` part's URL (an object with `url`, or the URL itself)."""
-    value = part.get(kind)
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise errors.wrong_type(f"{where}.{kind}.url", "a URL string")
-    return MediaPart(url, VISION_PARTS[kind], f"{where}.{kind}.url")
-
-
-def messages(body: dict, vision: bool, media: list[MediaPart] | None = None) -> list[dict]:
-    """The messages, checked; media parts go to `media` (see `text_of`)."""
-    raw = body.get("messages")
-    if raw is None:
-        raise errors.missing("messages")
-    if not isinstance(raw, list) or not raw:
-        raise errors.wrong_type("messages", "a non-empty list of messages")
-    out = []
-    for i, message in enumerate(raw):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise errors.wrong_type(f"messages[{i}]", "an object with a 'role'")
-        out.append({**message, "content": text_of(message.get("content"), i, vision, media)})
-    return out
-
-
-def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tuple[list[dict], Common]:
+def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tuple[list[dict], Common, dict]:
+    """The messages, what chat shares with completions, and the template's options (`template_options`)."""
     check_fields(body, CHAT_FIELDS)
     msgs = messages(body, vision, media)
     fmt = body.get("response_format")
@@ -178,8 +181,8 @@ def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tupl
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise errors.unsupported("tool_choice")
-    if body.get("tools") is not None and not isinstance(body["tools"], list):
-        raise errors.wrong_type("tools", "a list of tools")
+    tools(body)
+    template = template_options(body)
     max_tokens = integer(body, "max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", None)
@@ -187,7 +190,7 @@ def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tupl
     top = integer(body, "top_logprobs", 0)
     if top and not wants:
         raise errors.out_of_range("top_logprobs", "top_logprobs needs logprobs set to true")
-    return msgs, common(body, max_tokens=max_tokens, logprobs=wants, top_logprobs=top)
+    return msgs, common(body, max_tokens=max_tokens, logprobs=wants, top_logprobs=top), template
 
 
 def completion_prompts(body: dict) -> list[str | list[int]]:
@@ -238,8 +241,12 @@ def completion(body: dict) -> tuple[list[str | list[int]], Common, bool]:
     best_of = integer(body, "best_of", None)
     if best_of is not None and best_of != integer(body, "n", 1):
         raise errors.unsupported("best_of")
-    parsed = common(body, max_tokens=integer(body, "max_tokens", 16), logprobs=top is not None, top_logprobs=top or 0,
-                    prompt_logprobs=echo and top is not None)
+    max_tokens = integer(body, "max_tokens", 16)
+    if max_tokens == 0 and not echo:
+        raise errors.max_tokens_zero()
+    # max_tokens 0 with echo: the prompt (with its logprobs, if asked) and no token drawn, as lm-eval reads it
+    parsed = common(body, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0,
+                    prompt_logprobs=echo and top is not None, zero_tokens=echo)
     return prompts, parsed, echo
 
 

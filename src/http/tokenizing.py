@@ -19,12 +19,10 @@ async def tokenize_body(service: Service, body: dict) -> dict:
     if "messages" in body:
         parts: list = []
         messages = parse.messages(body, service.vision, parts)
-        generation = parse.boolean(body, "add_generation_prompt", True)
-        try:
-            text = tokenizer.render_chat(messages, add_generation_prompt=generation)
+        try:  # encoded as chat is, client text never as control tokens
+            ids = tokenizer.encode_chat(messages, tools=parse.tools(body), **parse.template_options(body))
         except ChatTemplateError as error:
             raise errors.chat_template(str(error)) from None
-        ids = tokenizer.encode_prompt(text)
         if parts:
             deadline = trio.current_time() + service.request_timeout
             ids = list((await with_media(service, ids, parts, deadline, "messages"))[0])

@@ -34,5 +34,5 @@ class ToolSystem:
 
     def warm_tokens(self, tokenizer: Tokenizer) -> list[int]:
         """The prefix every tools request starts with: the system prompt alone, rendered by the template."""
-        return tokenizer.encode_prompt(tokenizer.render_chat([{"role": "system", "content": self.text}],
-                                                             add_generation_prompt=False))
+        # Encoded as requests encode it (control tokens in it as text), so that their prefix is this one.
+        return tokenizer.encode_chat([{"role": "system", "content": self.text}], add_generation_prompt=False)

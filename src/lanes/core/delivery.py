@@ -5,6 +5,7 @@ its own.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import trio
@@ -13,7 +14,7 @@ from .commands import Resume
 from .events import EventChannel
 from .media import check_media
 from .schedule import Job, Phase
-from .stream import EngineError, Failed, Finished, PromptTooLong, Request, ShuttingDown, Stream, TokenEvent
+from .stream import EmptyPrompt, EngineError, Failed, Finished, PromptTooLong, Request, ShuttingDown, Stream, TokenEvent
 
 
 class Delivery:
@@ -24,19 +25,30 @@ class Delivery:
         return self._next_id - 1
 
     def _new_job(self, request: Request) -> Job:
+        """A stream's job: its parameters checked (against the model's vocabulary too), its seed drawn, its
+        stop tokens settled (and masked until min_tokens); raises InvalidParameter or an EngineError."""
         sampling = request.sampling
         sampling.validate()
+        sampling.check_ids(self.backend.shape.vocab_size)
         if sampling.seed is None:
             sampling = sampling.with_seed(self._seeds())
+        stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self._stop_ids)
+        if sampling.min_tokens:
+            sampling = dataclasses.replace(sampling, min_tokens_stops=tuple(sorted(stops)))
         prompt = tuple(request.prompt)
+        if not prompt:
+            raise EmptyPrompt()
         room = min(self.max_model_len, self.pool.total * self.pool.block_size)
-        if not prompt or len(prompt) >= room:
-            raise PromptTooLong(len(prompt) + 1, room)
-        limit = len(prompt) + (sampling.max_tokens or room - len(prompt))
+        # max_tokens 0: the prompt is prefilled (with its logprobs, if asked) and nothing is drawn
+        needed = len(prompt) + (sampling.max_tokens != 0)
+        if needed > room:
+            raise PromptTooLong(needed, room)
+        limit = room if sampling.max_tokens is None else len(prompt) + sampling.max_tokens
         if limit > room:
             raise PromptTooLong(limit, room)
         check_media(len(prompt), request.media)
         job = Job(self._take_id(), "stream", prompt, sampling, limit, deadline=request.deadline, media=tuple(request.media))
+        job.stops = stops
         job.text = self._text(prompt, sampling)
         return job
 

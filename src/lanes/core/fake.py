@@ -30,7 +30,8 @@ def _mix(*numbers: int) -> int:
 class FakeBackend:
     """`pass_seconds` of (trio) time a pass; `fail_at` makes that pass number raise, to test a lost device.
     With `feeds`, a `fed` following pass runs when it is handed over (as a device queues it), reading the
-    tokens its lanes drew in the pass before."""
+    tokens its lanes drew in the pass before. Draws skip min_tokens' masked ids; logit_bias has no logits
+    to act on here and is not modelled."""
 
     lanes: int = 4
     blocks: int = 64
@@ -118,6 +119,8 @@ class FakeBackend:
         params, step = work.sample.params, work.sample.step
         salt = (0, 0) if params.greedy else (params.seed, step)
         token = _mix(*context, *salt) % self.vocab
+        while step < params.min_tokens and token in params.min_tokens_stops:  # masked, as the sampler masks them
+            token = (token + 1) % self.vocab
         top = tuple((t, -0.1 * (i + 1)) for i, t in enumerate(range(params.top_logprobs)))
         return Sampled(token, -0.25 if params.logprobs else None, top)
 
@@ -129,14 +132,18 @@ class FakeBackend:
 
 
 class FakeText:
-    """Text for fake tokens ("t12 "), with stop strings held back as the real assembler does."""
+    """Text for fake tokens ("t12 "), with stop strings held back (and held off for the first min_tokens
+    tokens) as the real assembler does."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = StopStrings(stops)
+    def __init__(self, stops: Sequence[str], min_tokens: int = 0, include_stop: bool = False) -> None:
+        self.stops = StopStrings(stops, include_stop)
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.pushed = 0
 
     def push(self, token: int) -> tuple[str, bool]:
-        text, self.stopped = self.stops.push(f"t{token} ")
+        self.pushed += 1
+        text, self.stopped = self.stops.push(f"t{token} ", self.pushed > self.min_tokens)
         return text, self.stopped
 
     def finish(self) -> str:
@@ -144,4 +151,4 @@ class FakeText:
 
 
 def fake_text(prompt: Sequence[int], sampling: SamplingParams) -> FakeText:
-    return FakeText(sampling.stop)
+    return FakeText(sampling.stop, sampling.min_tokens, sampling.include_stop_str_in_output)

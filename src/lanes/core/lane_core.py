@@ -224,7 +224,7 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
             command.reply.fail(error)
             return
         free = [i for i, j in enumerate(self.lanes) if j is None]
-        need = blocks_for(job.limit - 1, self.pool.block_size) - len(command.blocks)
+        need = blocks_for(job.capacity, self.pool.block_size) - len(command.blocks)
         if self._closing or not free or not self.pool.can_allocate(need):
             command.reply.fail(ShuttingDown() if self._closing else QueueFull(len(self._queue)))
             return
@@ -233,7 +233,7 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
         table = self._bind(job, free[0])
         table.adopt(self.pool, command.blocks, len(command.blocks) * self.pool.block_size)
         self.pool.release(command.owner)
-        table.reserve(self.pool, job.limit - 1)
+        table.reserve(self.pool, job.capacity)
         job.done, job.phase = len(job.prompt), Phase.DECODE
         command.reply.set(stream)
         for event in schedule.take_first(job, command.first_token, self._stop_ids):
@@ -318,11 +318,11 @@ class LaneCore(CacheAdmission, PassLoop, Delivery):
         while free and self._queue:
             job = self._queue[0]
             match = self._lookup(job)
-            if not self._room_for(blocks_for(job.limit - 1, self.pool.block_size) - len(match.blocks), match):
+            if not self._room_for(blocks_for(job.capacity, self.pool.block_size) - len(match.blocks), match):
                 break  # the head waits for blocks; FIFO keeps later arrivals behind it
             self._queue.popleft()
             self._queue_changed.set()
-            self._place(job, free.pop(0), match, capacity=job.limit - 1)
+            self._place(job, free.pop(0), match, capacity=job.capacity)
             self._counted(job)
             self._counts["admitted"] += 1
         self.decider.admit_running(free)  # decisions under way finish, and free their trunks' blocks

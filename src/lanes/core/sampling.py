@@ -11,9 +11,11 @@ import torch
 from torch import Tensor
 
 from ..gpu.transfer import to_host
+from .penalties import PenaltyState, penalise
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI's API allows
 NEG_INF = float("-inf")
 
 # splitmix64 (Steele, Lea and Flood; Vigna's splitmix64.c): the increment and the two finalizer multipliers.
@@ -44,13 +46,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int | None = None  # None: up to the model's length
+    max_tokens: int | None = None  # None: up to the model's length; 0: the prompt alone (its logprobs), no draw
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20
     prompt_logprobs: bool = False  # logprobs of every prompt token (completions with echo)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before anything else)
+    min_tokens: int = 0  # tokens out before a stop token or a stop string may end the stream
+    min_tokens_stops: tuple[int, ...] = ()  # masked until then: the stream's stop tokens (the lane core fills it in)
+    include_stop_str_in_output: bool = False  # the stop string (or a stop token's text) ends the text, not cut
+    skip_special_tokens: bool = True  # special tokens give no text
 
     def validate(self) -> None:
         """Raises InvalidParameter for the first parameter outside its range (NaN is outside every range)."""
@@ -62,7 +69,13 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
             ("repetition_penalty", self.repetition_penalty > 0, "repetition_penalty must be greater than 0"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "max_tokens must not be negative"),
+            ("min_tokens", self.min_tokens >= 0, "min_tokens must not be negative"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens must be at most max_tokens"),
+            ("logit_bias", len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias may hold at most 300 tokens"),
+            ("logit_bias", all(-100 <= bias <= 100 for _, bias in self.logit_bias),
+             "logit_bias values must be between -100 and 100"),
             ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs must be between 0 and 20"),
             ("top_logprobs", self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs to be true"),
             ("stop", len(self.stop) <= MAX_STOPS, "stop may hold at most 4 strings"),
@@ -71,6 +84,13 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParameter(param, message)
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Raises InvalidParameter for a token id the model's logits do not have (in logit_bias, stop_token_ids)."""
+        biased = [token for token, _ in self.logit_bias]
+        for param, ids in (("logit_bias", biased), ("stop_token_ids", self.stop_token_ids)):
+            if not all(0 <= token < vocab_size for token in ids):
+                raise InvalidParameter(param, f"{param} token ids must be between 0 and {vocab_size - 1}")
 
     @property
     def greedy(self) -> bool:
@@ -86,8 +106,10 @@ class SamplingParams:
 
     @cached_property  # read for every row of every pass
     def plain(self) -> bool:
-        """A draw that is the raw logits' argmax, reporting at most its logprob (`plain_greedy`)."""
-        return self.greedy and not self.needs_penalties and self.top_logprobs == 0
+        """A draw that is the raw logits' argmax, reporting at most its logprob (`plain_greedy`): no penalty,
+        no bias and no min_tokens mask changes the logits."""
+        return (self.greedy and not self.needs_penalties and self.top_logprobs == 0 and not self.logit_bias
+                and not self.min_tokens)
 
 
 @dataclass(frozen=True, init=False)
@@ -125,95 +147,18 @@ class HostSampled:
     top: list[list[tuple[int, float]]]
 
 
-class PenaltyState:
-    """Each bound lane's prompt tokens and output counts, on the device, for the penalties.
-
-    Only lanes whose request `needs_penalties` are bound; the [lanes, vocab] tensors are allocated at the
-    first bind, so a server whose requests never use penalties holds none. A lane is bound at most once
-    until it is unbound; `bind` starts it afresh.
-    """
-
-    def __init__(self, lanes: int, vocab: int, device: torch.device | str) -> None:
-        self.lanes = lanes
-        self.vocab = vocab
-        self.device = torch.device(device)
-        self._bound: set[int] = set()
-        self._prompt: Tensor | None = None  # [lanes, vocab] bool: the token is in the lane's prompt
-        self._counts: Tensor | None = None  # [lanes, vocab] int32: times the lane has produced the token
-        self._weight: Tensor | None = None  # [lanes] int32: 1 for bound lanes, so `record` skips the others
-
-    @property
-    def allocated(self) -> bool:
-        return self._counts is not None
-
-    def is_bound(self, lane: int) -> bool:
-        return lane in self._bound
-
-    def bind(self, lane: int, prompt_ids: Sequence[int]) -> None:
-        """Starts `lane`'s history: output counts zero, prompt mask = the tokens of `prompt_ids`."""
-        if not 0 <= lane < self.lanes:
-            raise ValueError(f"lane {lane} is outside 0..{self.lanes - 1}")
-        if lane in self._bound:
-            raise ValueError(f"lane {lane} is already bound")
-        if self._counts is None:
-            self._prompt = torch.zeros(self.lanes, self.vocab, dtype=torch.bool, device=self.device)
-            self._counts = torch.zeros(self.lanes, self.vocab, dtype=torch.int32, device=self.device)
-            self._weight = torch.zeros(self.lanes, dtype=torch.int32, device=self.device)
-        self._prompt[lane] = False
-        self._counts[lane] = 0
-        # Ids past the logits (a tokenizer smaller than the padded vocabulary) can never be penalised.
-        ids = [token for token in prompt_ids if 0 <= token < self.vocab]
-        if ids:
-            self._prompt[lane, torch.tensor(ids, dtype=torch.int64, device=self.device)] = True
-        self._weight[lane] = 1
-        self._bound.add(lane)
-
-    def unbind(self, lane: int) -> None:
-        if lane not in self._bound:
-            raise ValueError(f"lane {lane} is not bound")
-        self._bound.discard(lane)
-        self._weight[lane] = 0
-
-    def record(self, lanes: Tensor, tokens: Tensor) -> None:
-        """Adds each token to its lane's output counts, on the device without a host sync; lanes that
-        are not bound are skipped. lanes, tokens: [R] int64 on the state's device."""
-        if self._counts is None:
-            return
-        self._counts.index_put_((lanes, tokens), self._weight[lanes], accumulate=True)
-
-    def counts(self, lanes: Tensor) -> Tensor:
-        """lanes: [P] int64 -> [P, vocab] int32, how often each lane has produced each token."""
-        if self._counts is None:
-            raise ValueError("no lane has been bound")
-        return self._counts.index_select(0, lanes)
-
-    def prompt_mask(self, lanes: Tensor) -> Tensor:
-        """lanes: [P] int64 -> [P, vocab] bool, the tokens in each lane's prompt."""
-        if self._prompt is None:
-            raise ValueError("no lane has been bound")
-        return self._prompt.index_select(0, lanes)
-
-    def check_integrity(self) -> None:
-        """Raises AssertionError unless the device flags match the bound set and no count is negative."""
-        if self._counts is None:
-            assert not self._bound, "lanes bound without allocated state"
-            return
-        flagged = set(self._weight.nonzero().flatten().tolist())
-        assert flagged == self._bound, f"device flags {sorted(flagged)} != bound lanes {sorted(self._bound)}"
-        assert bool((self._counts >= 0).all()), "a negative output count"
-
-
 def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None) -> Tensor:
     """The logits each row draws from: [R, V] any float dtype -> [R, V] float32, -inf where masked.
 
-    In transformers' and vLLM's order: repetition penalty on prompt and output tokens, presence and
-    frequency penalties on output counts, temperature, top_k, top_p, min_p. Greedy rows get the penalties
-    only (no temperature, no filters): the sampler takes their argmax.
+    In vLLM's order: logit_bias and the min_tokens mask on the raw logits, then (as transformers orders
+    them) repetition penalty on prompt and output tokens, presence and frequency penalties on output
+    counts, temperature, top_k, top_p, min_p. Greedy rows get the bias, mask and penalties only (no
+    temperature, no filters): the sampler takes their argmax.
     """
     scores = logits.float()
     if len(rows) != scores.shape[0]:
         raise ValueError(f"{len(rows)} rows for {scores.shape[0]} logits rows")
-    scores = _penalise(scores, rows, penalties)
+    scores = penalise(_adjust(scores, rows), rows, penalties)
     vocab, device = scores.shape[1], scores.device
     # Neutral values where a filter is off, so one batched op serves every row.
     floats = [(1.0, -1.0, 0.0) if row.params.greedy else _warp(row.params) for row in rows]
@@ -230,37 +175,36 @@ def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState
     return scores
 
 
+def _adjust(scores: Tensor, rows: Sequence[RowSampling]) -> Tensor:
+    """scores: [R, V] float32 -> a copy with each row's logit_bias added and, while a row has fewer than
+    min_tokens tokens out, its stop tokens at -inf; `scores` itself where no row has either."""
+    at_rows: list[int] = []
+    at_tokens: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        params = row.params
+        for token, bias in params.logit_bias:
+            at_rows.append(i)
+            at_tokens.append(token)
+            values.append(bias)
+        if row.step < params.min_tokens:
+            at_rows.extend([i] * len(params.min_tokens_stops))
+            at_tokens.extend(params.min_tokens_stops)
+            values.extend([NEG_INF] * len(params.min_tokens_stops))
+    if not at_rows:
+        return scores
+    device = scores.device
+    index = (torch.tensor(at_rows, dtype=torch.int64, device=device),  # [N] rows
+             torch.tensor(at_tokens, dtype=torch.int64, device=device))  # [N] token ids
+    # Out of place: `scores` may be the raw logits, which the logprobs are read from.
+    return scores.index_put(index, torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+
+
 def _warp(params: SamplingParams) -> tuple[float, float, float]:
     # 1 - top_p in double, then float32, as transformers compares it; -1 turns top_p off (a cumulative
     # probability of 0 would otherwise drop underflowed tokens, and transformers skips top_p = 1).
     floor = 1.0 - params.top_p if params.top_p < 1 else -1.0
     return (params.temperature, floor, params.min_p)
-
-
-def _penalise(scores: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None) -> Tensor:
-    """scores: [R, V] float32 -> the same with the penalties of the rows that use them."""
-    picked = [i for i, row in enumerate(rows) if row.params.needs_penalties]
-    if not picked:
-        return scores
-    for i in picked:
-        if penalties is None or not penalties.is_bound(rows[i].lane):
-            raise ValueError(f"lane {rows[i].lane} uses penalties but is not bound")
-    device = scores.device
-    index = torch.tensor(picked, dtype=torch.int64, device=device)  # [P]
-    lanes = torch.tensor([rows[i].lane for i in picked], dtype=torch.int64, device=device)  # [P]
-    params = [rows[i].params for i in picked]
-    values = [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params]
-    table = torch.tensor(values, dtype=torch.float32, device=device)  # [P, 3]
-    repetition, frequency, presence = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # each [P, 1]
-    counts = penalties.counts(lanes)  # [P, V] int32
-    produced = counts > 0
-    sub = scores.index_select(0, index)  # [P, V] float32
-    # transformers' RepetitionPenaltyLogitsProcessor: shrink positive logits, push negative ones down.
-    penalised = torch.where(sub < 0, sub * repetition, sub / repetition)
-    sub = torch.where(penalties.prompt_mask(lanes) | produced, penalised, sub)
-    # OpenAI's formula: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence.
-    sub = sub - counts.float() * frequency - produced.float() * presence
-    return scores.index_copy(0, index, sub)
 
 
 def _top_k_top_p(scores: Tensor, kth_position: Tensor, top_p_floor: Tensor) -> Tensor:

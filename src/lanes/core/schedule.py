@@ -70,6 +70,12 @@ class Job:
         self.key = cache_key(self.prompt, self.media)
         self.max_new = self.limit - len(self.prompt)  # read for every row of every pass
 
+    @property
+    def capacity(self) -> int:
+        """KV slots its lane holds: every context token but the last drawn (never fed back), or the whole
+        prompt when it draws nothing (max_tokens 0)."""
+        return self.limit - 1 if self.max_new else self.limit
+
     def stop_tokens(self, stop_ids: frozenset[int]) -> frozenset[int]:
         if self.stops is None:
             own = frozenset(self.sampling.stop_token_ids)
@@ -171,7 +177,7 @@ def fed_after(step: int, plan: Plan, jobs_by_lane: dict[int, Job], stop_ids: Ite
 def _prompt_work(job: Job, take: int) -> Work:
     start, end = job.done, job.done + take
     final = end == len(job.prompt)
-    sample = RowSampling(job.lane, job.sampling, 0) if final and job.kind == "stream" else None
+    sample = RowSampling(job.lane, job.sampling, 0) if final and job.kind == "stream" and job.max_new else None
     labels = job.labels if final and job.kind == "branch" else ()
     wants_logprobs = job.sampling.prompt_logprobs and job.kind == "stream"
     logits = "all" if wants_logprobs else ("last" if sample or labels else "none")
@@ -202,12 +208,16 @@ def apply(plan: Plan, result: PassResult, jobs_by_lane: dict[int, Job], stop_ids
                 job.outcome = Finished("stop", prompt_tokens=len(job.prompt))
         if job.cancelled or job.outcome is not None:
             continue
+        # A stream that draws nothing (max_tokens 0) ends with its prompt: its logprobs, then the end.
+        drawless = sampled is None and job.max_new == 0 and job.kind == "stream" and job.done == len(job.prompt)
         if logprobs is not None:
             job.prompt_logprobs.append(logprobs)
-            if sampled is not None:
+            if sampled is not None or drawless:
                 events.append((job, _prompt_logprobs_event(job)))
         if sampled is not None:
             _take(job, sampled, stop_ids, events)
+        elif drawless:
+            events.append((job, _finish(job, "length", "")))
     return events
 
 
@@ -220,13 +230,19 @@ def take_first(job: Job, token: int, stop_ids: Iterable[int]) -> list[StreamEven
 
 def _take(job: Job, sampled: Sampled, stop_ids: frozenset[int], events: list[tuple[Job, StreamEvent]]) -> None:
     """Give `job` its drawn token, appending its events: the token's, and the end that it, a stop string
-    or the stream's length makes."""
+    or the stream's length makes. Up to min_tokens tokens out, no stop token ends it (as vLLM, which
+    masks them; the text assembler holds stop strings off as long)."""
     token = sampled.token
     generated = job.generated
     generated.append(token)
     job.pending = token
     top = tuple(TopLogprob(t, lp) for t, lp in sampled.top) if sampled.top else ()
-    if token in job.stop_tokens(stop_ids):
+    if token in job.stop_tokens(stop_ids) and len(generated) > job.sampling.min_tokens:
+        if job.sampling.include_stop_str_in_output:  # its text too (cut where it completes a stop string)
+            text, _ = job.text.push(token)
+            events.append((job, TokenEvent(token, text + job.text.finish(), sampled.logprob, top)))
+            events.append((job, _finish(job, "stop", "")))
+            return
         # A stop token ends the stream and contributes no text, as OpenAI's servers do.
         events.append((job, TokenEvent(token, "", sampled.logprob, top)))
         events.append((job, _finish(job, "stop", job.text.finish())))

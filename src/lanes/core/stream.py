@@ -37,6 +37,13 @@ class ShuttingDown(EngineError):
         super().__init__("the server is shutting down")
 
 
+class EmptyPrompt(EngineError):
+    """A stream's prompt has no tokens: there is no position to draw the first token at."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty: a prompt needs at least one token")
+
+
 class PromptTooLong(EngineError):
     """The prompt and the tokens asked for do not fit the model's length or the KV pool."""
 

@@ -21,7 +21,8 @@ from ..text.tokenizer import Tokenizer
 from .backend import BackendShape
 from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
 from ..gpu.transfer import PinnedRing, to_host
-from .sampling import PenaltyState, RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
+from .penalties import PenaltyState
+from .sampling import RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
 from .sampling import Sampled as SampledTensors
 from .stops import TextAssembler
 from .vision_lanes import VisionLanes
@@ -289,6 +290,8 @@ def text_factory(tokenizer: Tokenizer):
     """Per stream: whole characters from its tokens, cut at its stop strings."""
 
     def make(prompt: Sequence[int], sampling: SamplingParams) -> TextAssembler:
-        return TextAssembler(tokenizer.detokenizer(prompt), sampling.stop)
+        detokenizer = tokenizer.detokenizer(prompt, skip_special_tokens=sampling.skip_special_tokens)
+        return TextAssembler(detokenizer, sampling.stop, min_tokens=sampling.min_tokens,
+                             include_stop=sampling.include_stop_str_in_output)
 
     return make

@@ -15,6 +15,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # Names a message's reasoning arrives under; transformers copies it to all of them before rendering.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message ends
 
 
 class ChatTemplateError(Exception):
@@ -152,25 +153,43 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        environment = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = environment.from_string(source)
+            tree = environment.parse(source)
         except jinja2.TemplateSyntaxError as error:
             raise ChatTemplateError(f"chat template does not compile: {one_line(error)} (line {error.lineno})") from None
+        literals = {node.data for node in tree.find_all(jinja2.nodes.TemplateData)}
+        literals |= {node.value for node in tree.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+        # Joined with NULs so that a search cannot match across two literals (transformers' literal text).
+        self.literal_text = "\0".join(sorted(literals))
 
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """The prompt text. `extra` reaches the template as variables (`enable_thinking=False`, ...)."""
+        """The prompt text. `extra` reaches the template as variables (`enable_thinking=False`, ...).
+
+        `continue_final_message` leaves the last message open (no end of turn after its content), so the
+        model continues it, as transformers does; it cannot go with `add_generation_prompt`."""
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+        chat = normalize_messages(messages)
+        final = _tag_final_message(chat, self.source) if continue_final_message else None
+        text = self._render(chat, add_generation_prompt, tools, documents, extra)
+        return text if final is None else _cut_at_tag(text, final)
+
+    def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool, tools, documents, extra) -> str:
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **plain(extra)}
         try:
             return self._template.render(
-                messages=normalize_messages(messages),
+                messages=chat,
                 tools=plain(list(tools)) if tools is not None else None,
                 documents=plain(list(documents)) if documents is not None else None,
                 add_generation_prompt=add_generation_prompt,
@@ -181,3 +200,32 @@ class ChatTemplate:
         # Templates do arithmetic and indexing on client data; those faults are the request's, not ours.
         except (TypeError, ValueError, LookupError, ArithmeticError, AttributeError, RecursionError) as error:
             raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {one_line(error)}") from None
+
+
+def _tag_final_message(chat: list[dict[str, Any]], source: str) -> str:
+    """Append transformers' tag to the last message's content (its last text part), where it ends; returns
+    that text as it was."""
+    if not chat:
+        raise ChatTemplateError("continue_final_message is set but the conversation is empty")
+    content = chat[-1].get("content")
+    if content is None:
+        raise ChatTemplateError('continue_final_message is set but the final message has no "content" to continue')
+    if "content" not in source:
+        raise ChatTemplateError('continue_final_message is set but the chat template does not read "content"')
+    if isinstance(content, (list, tuple)):
+        part = next((p for p in reversed(content) if isinstance(p, dict) and "text" in p), None)
+        if part is None:
+            raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+        final, part["text"] = part["text"], f"{part['text']}{CONTINUE_TAG}"
+        return final
+    chat[-1]["content"] = f"{content}{CONTINUE_TAG}"
+    return content
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """The rendering up to the tag: the final message left open (trailing space trimmed where the template trims)."""
+    tag = CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ChatTemplateError("continue_final_message is set but the chat template drops the final message's end")
+    at = text.rindex(tag)
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import tokenizers
+from tokenizers import decoders
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole UTF-8 character
 
@@ -112,3 +115,56 @@ class ByteDetokenizer:
 
     def _piece(self, token_id: int) -> bytes:
         return self._pieces[token_id] if token_id < len(self._pieces) else b""
+
+
+def byte_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], special_ids: frozenset[int]) -> tuple[bytes, ...] | None:
+    """Each id's bytes, when `decode` (special tokens skipped) is the UTF-8 reading of its ids' bytes joined:
+    the ByteLevel decoder's (its characters mapped back to bytes, a token with another character taken as its
+    own UTF-8). None for any other decoder, or if one id decodes otherwise (every id is checked)."""
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    pieces = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, index in vocab.items():
+        if index not in special_ids:
+            pieces[index] = _token_bytes(token)
+    decoded = backend.decode_batch([[index] for index in range(len(pieces))], skip_special_tokens=True)
+    if decoded != [piece.decode("utf-8", "replace") for piece in pieces]:
+        return None
+    return tuple(pieces)
+
+
+def with_special_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], pieces: tuple[bytes, ...] | None,
+                         special_ids: frozenset[int]) -> tuple[bytes, ...] | None:
+    """`pieces` with the special ids' bytes too (`decode` with skip_special_tokens=False joins them as it
+    joins the others), each checked as `byte_pieces` checks; None where there is no table or one differs."""
+    if pieces is None:
+        return None
+    table = list(pieces)
+    for token, index in vocab.items():
+        if index in special_ids:
+            table[index] = _token_bytes(token)
+    ids = sorted(special_ids)
+    decoded = backend.decode_batch([[index] for index in ids], skip_special_tokens=False)
+    if decoded != [table[index].decode("utf-8", "replace") for index in ids]:
+        return None
+    return tuple(table)
+
+
+def _token_bytes(token: str) -> bytes:
+    """A byte-level token's bytes: each character's byte, or the token's own UTF-8 where one is outside the alphabet."""
+    try:
+        return token.translate(_LATIN1_BYTES).encode("latin-1")
+    except UnicodeEncodeError:
+        return token.encode()
+
+
+def _latin1_bytes() -> dict[int, int]:
+    """GPT-2's byte alphabet backwards, for `str.translate`: each character ByteLevel shows to the Latin-1
+    character of its byte, and the other characters below U+0100 to one that Latin-1 cannot encode."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    hidden = [byte for byte in range(256) if byte not in shown]  # shown as U+0100, U+0101, ... in order
+    return {**{byte: 0x10000 for byte in hidden}, **{byte: byte for byte in shown},
+            **{256 + i: byte for i, byte in enumerate(hidden)}}
+
+
+_LATIN1_BYTES = _latin1_bytes()

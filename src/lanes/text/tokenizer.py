@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, decoders, processors
+from tokenizers import AddedToken, processors
 
 from ..checkpoint.errors import CheckpointError
 from .chat import ChatTemplate, ChatTemplateError
-from .detok import ByteDetokenizer, IncrementalDetokenizer
+from .chat_encoding import ChatEncoder, control_tokens
+from .detok import ByteDetokenizer, IncrementalDetokenizer, byte_pieces, with_special_pieces
 from .gguf_vocab import adds_bos, adds_eos, build_gguf_tokenizer
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -32,7 +33,7 @@ class Tokenizer:
 
     Promises: `encode` gives the ids transformers gives for the same files (BOS added once, by one
     post-processor); every id it gives is below the model's vocabulary size (checked at load);
-    `decode` and `detokenizer()` agree; `render_chat` raises only ChatTemplateError.
+    `decode` and `detokenizer()` agree; `render_chat` and `encode_chat` raise only ChatTemplateError.
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class Tokenizer:
         pad_id: int | None,
         chat_template: ChatTemplate | None,
         eos_id: int | None = None,
+        chat_control_tokens: Iterable[str] | None = None,
     ) -> None:
         backend.no_truncation()
         backend.no_padding()
@@ -58,7 +60,11 @@ class Tokenizer:
         vocab = backend.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values(), default=-1) + 1
         # Built here, with the tokenizer (~0.15 s for 50k ids), so that no stream's first token waits for it.
-        self._pieces = _byte_pieces(backend, vocab, self._special_ids)
+        self._pieces = byte_pieces(backend, vocab, self._special_ids)
+        self._pieces_with_special = with_special_pieces(backend, vocab, self._pieces, self._special_ids)
+        literal = chat_template.literal_text if chat_template is not None else ""
+        control = control_tokens(added, literal, chat_control_tokens)
+        self._chat = ChatEncoder(backend, control, chat_template.source if chat_template is not None else "")
 
     @classmethod
     def from_folder(cls, folder: Path, vocab_size: int) -> Tokenizer:
@@ -84,6 +90,7 @@ class Tokenizer:
         eos_ids |= set(_ids(generation.get("eos_token_id")))
         pad_id = backend.token_to_id(names["pad_token"]) if names["pad_token"] else generation.get("pad_token_id")
         template = _folder_template(folder, config, names)
+        listed = config.get("chat_control_tokens")
         tokenizer = cls(
             backend,
             bos_id=backend.token_to_id(names["bos_token"]) if names["bos_token"] else None,
@@ -91,6 +98,7 @@ class Tokenizer:
             pad_id=pad_id if isinstance(pad_id, int) else None,
             chat_template=template,
             eos_id=backend.token_to_id(names["eos_token"]) if names["eos_token"] else None,
+            chat_control_tokens=[t for t in listed if isinstance(t, str)] if isinstance(listed, list) else None,
         )
         tokenizer._check_fits(path, vocab_size)
         return tokenizer
@@ -198,51 +206,46 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
         """The prompt text for a conversation; raises ChatTemplateError when it cannot be rendered."""
         if self._chat_template is None:
             raise ChatTemplateError("this model has no chat template")
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tools=tools, **extra)
 
-    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer | ByteDetokenizer:
-        """A streaming decoder for one generation; `prompt_ids` set the first token's leading space.
-        A byte-level BPE's gives the same text from a table of its ids' bytes, without decode calls."""
-        if self._pieces is not None:
-            return ByteDetokenizer(self._pieces, prompt_ids)
-        return IncrementalDetokenizer(self.decode, prompt_ids)
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> list[int]:
+        """The prompt ids for a conversation from a client: control tokens typed into its strings (messages,
+        tools, template variables) are encoded as text, so only the template's own markup gives control
+        tokens (transformers' `sanitize_control_tokens=True`). Without such text, `encode_prompt(render_chat(...))`.
+        Raises ChatTemplateError."""
+        chat = self._chat
+        markers = chat.markers(messages, tools, extra)
+        text = self.render_chat(chat.mark(messages, markers), add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message,
+                                tools=chat.mark(tools, markers) if tools is not None else None, **chat.mark(extra, markers))
+        return chat.encode(text, markers)
 
-
-def _byte_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], special_ids: frozenset[int]) -> tuple[bytes, ...] | None:
-    """Each id's bytes, when `decode` (special tokens skipped) is the UTF-8 reading of its ids' bytes joined:
-    the ByteLevel decoder's (its characters mapped back to bytes, a token with another character taken as its
-    own UTF-8). None for any other decoder, or if one id decodes otherwise (every id is checked)."""
-    if not isinstance(backend.decoder, decoders.ByteLevel):
-        return None
-    pieces = [b""] * (max(vocab.values(), default=-1) + 1)
-    for token, index in vocab.items():
-        if index not in special_ids:
-            try:
-                pieces[index] = token.translate(_LATIN1_BYTES).encode("latin-1")
-            except UnicodeEncodeError:  # a character outside the byte alphabet
-                pieces[index] = token.encode()
-    decoded = backend.decode_batch([[index] for index in range(len(pieces))], skip_special_tokens=True)
-    if decoded != [piece.decode("utf-8", "replace") for piece in pieces]:
-        return None
-    return tuple(pieces)
-
-
-def _latin1_bytes() -> dict[int, int]:
-    """GPT-2's byte alphabet backwards, for `str.translate`: each character ByteLevel shows to the Latin-1
-    character of its byte, and the other characters below U+0100 to one that Latin-1 cannot encode."""
-    shown = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    hidden = [byte for byte in range(256) if byte not in shown]  # shown as U+0100, U+0101, ... in order
-    return {**{byte: 0x10000 for byte in hidden}, **{byte: byte for byte in shown},
-            **{256 + i: byte for i, byte in enumerate(hidden)}}
-
-
-_LATIN1_BYTES = _latin1_bytes()
+    def detokenizer(self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteDetokenizer:
+        """A streaming decoder for one generation; `prompt_ids` set the first token's leading space; special
+        tokens give their text unless skipped, as in `decode`. A byte-level BPE's gives the same text from a
+        table of its ids' bytes, without decode calls."""
+        pieces = self._pieces if skip_special_tokens else self._pieces_with_special
+        if pieces is not None:
+            return ByteDetokenizer(pieces, prompt_ids)
+        if skip_special_tokens:
+            return IncrementalDetokenizer(self.decode, prompt_ids)
+        return IncrementalDetokenizer(lambda ids: self.decode(ids, skip_special_tokens=False), prompt_ids)
 
 
 def _one_line(error: BaseException) -> str:
