@@ -151,6 +151,8 @@ MEDIA_WORDS = {
     "image_too_large": "the image has too many pixels",
     "image_aspect_ratio": "the image is too narrow: one side is over 200 times the other",
     "video_unreadable": "the video could not be decoded as mp4",
+    "video_malformed": "the video's container declares counts or sizes that its data cannot hold or that exceed the server's limits",
+    "video_codec": "the video's codec is not one the server decodes (H.264, HEVC, AV1, VP9 or MPEG-4 part 2)",
     "video_no_stream": "the file has no video stream",
     "video_too_short": "the video has too few frames",
     "video_too_long": "the video has too many frames",

@@ -11,6 +11,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from lanes.vision.errors import MediaRejected
+from lanes.vision.mp4_probe import probe_mp4
 
 # 64 Mpx is above what cameras and phones write by default (<= 50 Mpx) and caps one RGB decode at 192 MiB.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -127,18 +128,17 @@ def decode_video(
     """An mp4's first video stream, sampled as transformers samples it (see `sample_frame_indices`).
 
     Frames are those transformers' pyav reader takes for the same indices: decoded in order from
-    the start, converted to rgb24. Sizes and counts are checked before frames are converted.
-    Raises `MediaRejected` (video_unreadable, video_no_stream, video_too_large, video_too_long,
-    video_too_short).
+    the start, converted to rgb24. The boxes are probed before FFmpeg reads any (`probe_mp4`), and
+    sizes and counts are checked before frames are converted.
+    Raises `MediaRejected` (video_unreadable, video_malformed, video_codec, video_no_stream,
+    video_too_large, video_too_long, video_too_short).
     """
+    probe = probe_mp4(data, max_samples=max_total_frames, max_pixels=max_pixels)
     try:
-        # only the mp4 demuxer ever parses these bytes
-        container = av.open(io.BytesIO(data), format="mp4")
+        container = open_video(probe.data, max_pixels)
     except (av.error.FFmpegError, OSError, ValueError):
         raise MediaRejected("video_unreadable") from None
     with container:
-        if not container.streams.video:
-            raise MediaRejected("video_no_stream")
         stream = container.streams.video[0]
         width, height = stream.width, stream.height
         if width <= 0 or height <= 0:
@@ -149,7 +149,7 @@ def decode_video(
             raise MediaRejected("video_unreadable")
         video_fps = float(stream.average_rate)
         try:
-            total = stream.frames if stream.frames > 0 else _count_frames(data, max_total_frames)
+            total = stream.frames if stream.frames > 0 else _count_frames(probe.data, max_pixels, max_total_frames)
         except (av.error.FFmpegError, OSError, ValueError):
             raise MediaRejected("video_unreadable") from None
         if total > max_total_frames:
@@ -180,12 +180,29 @@ def decode_video(
     )
 
 
-def _count_frames(data: bytes, limit: int) -> int:
+def open_video(data: bytes, max_pixels: int) -> av.container.InputContainer:
+    """Probed mp4 bytes opened by the mp4 demuxer alone; its first video stream decodes frames of at most
+    `max_pixels` (FFmpeg's own check, for a bitstream whose frames are larger than its sample entry says).
+
+    Raises `MediaRejected` (video_no_stream, video_codec) and av's errors."""
+    container = av.open(io.BytesIO(data), format="mp4")
+    if not container.streams.video:
+        container.close()
+        raise MediaRejected("video_no_stream")
+    context = container.streams.video[0].codec_context
+    if context is None:
+        container.close()
+        raise MediaRejected("video_codec")  # FFmpeg knows no decoder for the sample entry
+    context.options = {"max_pixels": str(max_pixels)}
+    return container
+
+
+def _count_frames(data: bytes, max_pixels: int, limit: int) -> int:
     """Decoded frames of a stream whose header has no count (fragmented mp4), stopping past `limit`.
 
     A container of its own: decoding again after a seek could hand back frames of a decoder not yet flushed."""
     count = 0
-    with av.open(io.BytesIO(data), format="mp4") as container:
+    with open_video(data, max_pixels) as container:
         for _ in container.decode(container.streams.video[0]):
             count += 1
             if count > limit:
