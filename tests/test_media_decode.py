@@ -19,7 +19,8 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 from transformers.video_utils import read_video_pyav
 
-from lanes.vision.decode import MAX_IMAGE_PIXELS, decode_image, decode_video, sample_frame_indices
+from lanes.vision.decode import STRIP_ROWS, decode_image, decode_video
+from lanes.vision.headers import MAX_IMAGE_PIXELS, sample_frame_indices
 from lanes.vision.errors import CODES, MediaRejected
 
 
@@ -100,6 +101,22 @@ def test_modes_become_rgb_as_transformers_converts_them(mode: str) -> None:
     else:
         source = source.convert(mode)
     data = encode(source, "PNG", **({"transparency": 7} if mode == "P" else {}))
+    expected = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    assert np.array_equal(np.asarray(decode_image(data)), expected)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "L"])
+def test_transparency_composited_strip_by_strip_equals_transformers_whole(mode: str) -> None:
+    # 600 rows: three strips of STRIP_ROWS, the last one short
+    rng = np.random.default_rng(14)
+    source = Image.fromarray(random_rgb(600, 37, seed=14))
+    alpha = Image.fromarray(rng.integers(0, 256, (600, 37), dtype=np.uint8))
+    if mode in ("RGBA", "LA"):
+        source = Image.merge("RGBA", (*source.split(), alpha)).convert(mode)
+    else:
+        source = source.convert(mode)
+    data = encode(source, "PNG", **({} if mode in ("RGBA", "LA") else {"transparency": 7}))
+    assert 600 > 2 * STRIP_ROWS and Image.open(io.BytesIO(data)).info.get("transparency", 7) == 7
     expected = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
     assert np.array_equal(np.asarray(decode_image(data)), expected)
 

@@ -16,7 +16,7 @@ import av
 import numpy as np
 import pytest
 
-from lanes.vision.decode import MAX_FRAME_PIXELS, MAX_TOTAL_FRAMES
+from lanes.vision.headers import MAX_FRAME_PIXELS, MAX_TOTAL_FRAMES
 from lanes.vision.errors import MediaRejected
 from lanes.vision.mp4_probe import MAX_BOXES, probe_mp4
 from mp4_boxes import box, find, full_box, inserted, make_mp4, patched, random_clip, replaced, walk
