@@ -17,6 +17,7 @@ CODES: tuple[str, ...] = (
     "video_too_long",  # over the decoded-frame limit
     "video_too_large",  # a frame, or the sampled frames together, over their pixel limits
     "video_aspect_ratio",
+    "media_over_budget",  # decoding it would cost more than the server's whole decode budget (--media-decode-bytes)
 )
 
 

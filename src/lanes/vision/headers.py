@@ -201,8 +201,8 @@ def video_cost(header: VideoHeader, resized: tuple[int, int]) -> int:
     frames = len(header.indices)
     decoder = 64 * pixels  # FFmpeg's reference frames and its threads' buffers (h264 at 720p: ~53 a pixel)
     sampled = 3 * pixels * (frames + 1)  # the rgb24 frames kept, and the one being converted
-    resampled = 3 * frames * (pixels + header.height * resized[1])  # the contiguous copy; the resize's first pass
-    preprocessed = 40 * frames * resized[0] * resized[1]  # the resized uint8 frames, float32 copies, the patches
+    resampled = 3 * frames * header.height * resized[1]  # the resize's first pass: as tall as the source
+    preprocessed = 32 * frames * resized[0] * resized[1]  # the resized uint8 frames, float32 copies, the patches
     return decoder + sampled + resampled + preprocessed + FIXED_COST
 
 
