@@ -87,10 +87,6 @@ class VisionInputs:
             prepared.append(await self._off_loop(partial(self._prepare, one), one.cost, part.param))
         return prepared
 
-    async def prepare(self, parts: Sequence[MediaPart]) -> list[Prepared]:
-        """`measure` then `decode`, with no check between (callers that count rows use the two steps)."""
-        return await self.decode(parts, await self.measure(parts))
-
     async def _off_loop(self, work: Callable[[], T], cost: int, param: str | None) -> T:
         if not self.gate.fits(cost):
             raise errors.media_refused("media_over_budget", param)
