@@ -38,6 +38,22 @@ def hidden_trun() -> bytes:
 HIDDEN_TRUN = hidden_trun()
 
 
+def sps_lie() -> bytes:
+    """Two black 8192 x 4320 frames whose sample entry says 16 x 16: only the bitstream tells the truth."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=1, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = 8192, 4320, "yuv420p"
+        frame = av.VideoFrame(8192, 4320, "yuv420p")
+        for plane in frame.planes:
+            plane.update(bytes(plane.buffer_size))
+        for _ in range(2):
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = out.getvalue()
+    return patched(data, at(data, f"{STBL}/stsd", 16 + 32), 16 << 16 | 16)
+
+
 def probe(data: bytes, max_samples: int = MAX_TOTAL_FRAMES):
     return probe_mp4(data, max_samples=max_samples, max_pixels=MAX_FRAME_PIXELS)
 
@@ -218,7 +234,8 @@ print(peak, raw_result, *codes)
 
 
 def test_bombs_cost_the_decoding_process_nothing(tmp_path):
-    bombs = [trun_bomb(0xA05), trun_bomb(0x1), stsz_constant(1, MAX_TOTAL_FRAMES + 1), HIDDEN_TRUN]
+    # the last: FFmpeg's stream-finding decode in av.open took +91 MiB for its 35 Mpx frame before max_pixels reached it
+    bombs = [trun_bomb(0xA05), trun_bomb(0x1), stsz_constant(1, MAX_TOTAL_FRAMES + 1), HIDDEN_TRUN, sps_lie()]
     paths = []
     for i, data in enumerate(bombs):
         paths.append(tmp_path / f"bomb{i}.mp4")
@@ -226,6 +243,6 @@ def test_bombs_cost_the_decoding_process_nothing(tmp_path):
     out = subprocess.run([sys.executable, "-c", CHILD, str(paths[1]), *map(str, paths)], capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     peak, raw_result, codes = int(out[0]), out[1], out[2:]
-    assert codes == ["video_malformed", "video_malformed", "video_too_long", "decoded"]
-    assert peak < 64 << 20, peak  # the probed bombs: under 64 MiB of peak resident memory, all four
+    assert codes == ["video_malformed", "video_malformed", "video_too_long", "decoded", "video_too_large"]
+    assert peak < 64 << 20, peak  # the probed bombs: under 64 MiB of peak resident memory, all five
     assert raw_result == "MemoryError"  # the same trun bomb given to av as it is wants more than 1 GiB

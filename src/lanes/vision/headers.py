@@ -160,7 +160,8 @@ def open_video(data: bytes, max_pixels: int) -> av.container.InputContainer:
     `max_pixels` (FFmpeg's own check, for a bitstream whose frames are larger than its sample entry says).
 
     Raises `MediaRejected` (video_no_stream, video_codec) and av's errors."""
-    container = av.open(io.BytesIO(data), format="mp4")
+    # stream_options reach the decoders FFmpeg opens to find the streams' parameters, inside av.open
+    container = av.open(io.BytesIO(data), format="mp4", stream_options=[{"max_pixels": str(max_pixels)}])
     if not container.streams.video:
         container.close()
         raise MediaRejected("video_no_stream")
