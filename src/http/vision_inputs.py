@@ -73,7 +73,8 @@ class VisionInputs:
             raise errors.media_refused(refused.code, refused.param) from None
         measured = []
         for part, blob in zip(parts, blobs):
-            measured.append(await self._off_loop(partial(self._measure, blob, part.kind), header_cost(blob), part.param))
+            work = partial(self._measure, blob, part.kind)
+            measured.append(await self._off_loop(work, header_cost(blob, part.kind), part.param))
         return measured
 
     async def decode(self, parts: Sequence[MediaPart], measured: Sequence[Measured]) -> list[Prepared]:

@@ -79,7 +79,7 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
     if args.max_media_parts < 1:
         raise NotAvailable("--max-media-parts must be at least 1")
     if args.media_decode_bytes < MIN_DECODE_BYTES:
-        raise NotAvailable(f"--media-decode-bytes must be at least {MIN_DECODE_BYTES} (reading one part's headers takes up to 76 MiB)")
+        raise NotAvailable(f"--media-decode-bytes must be at least {MIN_DECODE_BYTES} (reading a video's headers may take 140 MiB)")
     if args.vision and args.tp > 1:
         # Followers would need every image's embeddings broadcast with the plans; not built.
         raise NotAvailable("--vision with --tp above 1 is not available in this version of lanes")

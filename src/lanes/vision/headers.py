@@ -207,6 +207,9 @@ def video_cost(header: VideoHeader, resized: tuple[int, int]) -> int:
     return decoder + sampled + resampled + preprocessed + FIXED_COST
 
 
-def header_cost(data: bytes) -> int:
-    """Bytes reading a part's headers may hold: the probe's copies of an mp4, av's header, Pillow's."""
-    return 3 * len(data) + FIXED_COST
+def header_cost(data: bytes, kind: str) -> int:
+    """Bytes reading a part's headers may hold: Pillow's header; or the probe's copies of an mp4 and the frames
+    FFmpeg decodes inside av.open to find the stream's parameters (at most MAX_FRAME_PIXELS each: 4K took 29 MiB)."""
+    if kind == "image":
+        return len(data) + FIXED_COST
+    return 3 * len(data) + 8 * MAX_FRAME_PIXELS + FIXED_COST
