@@ -1,4 +1,4 @@
-"""mp4 files built with av in memory, and their boxes found, rewritten and inserted by path (e.g.
+"""mp4 files built with av in memory, and their boxes found and rewritten by path (e.g.
 "moov/trak/mdia/minf/stbl/stsz"), for tests that lie in a box. The walker here is the tests' own, not the
 probe's. Rewriting a box moves what follows it: use it where nothing after it is pointed to (av writes
 `moov` after `mdat`; fragments' data offsets count from their `moof`).
@@ -80,22 +80,12 @@ def replaced(data: bytes, path: str, new: bytes, nth: int = 0) -> bytes:
     return bytes(out)
 
 
-def inserted(data: bytes, parent: str, new: bytes, nth: int = 0) -> bytes:
-    """`data` with `new` appended inside the box at `parent` (or at the end of the file for "")."""
-    if not parent:
-        return data + new
-    at, size = find(data, parent, nth)
-    out = bytearray(data[:at + size] + new + data[at + size:])
-    _grow_parents(out, data, parent + "/x", at + size, len(new))
-    return bytes(out)
-
-
 def _grow_parents(out: bytearray, data: bytes, path: str, at: int, delta: int) -> None:
     parts = path.split("/")
     for depth in range(1, len(parts)):
         parent = "/".join(parts[:depth])
         for p, offset, size in walk(data):
-            if p == parent and offset < at <= offset + size:
+            if p == parent and offset < at < offset + size:
                 struct.pack_into(">I", out, offset, size + delta)
 
 

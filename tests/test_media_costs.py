@@ -8,10 +8,8 @@ as the server does (`lanes.vision.measure`), its peak resident memory reset befo
 import io
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-import pytest
 from PIL import Image
 
 from lanes.vision.headers import FIXED_COST

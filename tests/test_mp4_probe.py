@@ -10,16 +10,15 @@ import io
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import av
 import numpy as np
 import pytest
 
-from lanes.vision.headers import MAX_FRAME_PIXELS, MAX_TOTAL_FRAMES
 from lanes.vision.errors import MediaRejected
+from lanes.vision.headers import MAX_FRAME_PIXELS, MAX_TOTAL_FRAMES
 from lanes.vision.mp4_probe import MAX_BOXES, probe_mp4
-from mp4_boxes import box, find, full_box, inserted, make_mp4, patched, random_clip, replaced, walk
+from mp4_boxes import box, find, full_box, make_mp4, patched, random_clip, replaced, walk
 
 STBL = "moov/trak/mdia/minf/stbl"
 PLAIN = make_mp4(random_clip(30, seed=1))  # ftyp, free, mdat, moov: B-frames, so ctts and stss too

@@ -13,6 +13,7 @@ import io
 import signal
 import struct
 import zlib
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -183,3 +184,24 @@ def test_info_reports_the_media_bounds_and_the_gate(tmp_path):
     (tmp_path / "plain").mkdir()
     plain, _ = fake_service(tmp_path / "plain")
     assert plain.info()["media"] is None
+
+
+async def test_a_client_gone_mid_decode_gives_the_gate_back_once_its_thread_is_done(tmp_path):
+    from golden_server import fake_service
+    from server_helpers import serving, until
+
+    service, _ = fake_service(tmp_path, vision_urls=False, max_model_len=4096, blocks=512)  # room for its 1,280 rows
+    gate = service.vision_inputs.gate
+    body = chat((data_url(palette_bomb(), "image/png"), "image"))
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(http.post, CHAT, json=body))
+                    await until(lambda: gate.statistics().running == 1 and gate.statistics().held_bytes > 256 * MiB)
+                    nursery.cancel_scope.cancel()  # the client goes away while its part decodes
+                # the part's thread runs on; its reservation stays until the thread returns, then goes
+                assert gate.statistics().running == 1
+                await until(lambda: gate.statistics().running == 0)
+                assert gate.statistics().held_bytes == 0
+                assert (await http.get("/health")).status_code == 200
