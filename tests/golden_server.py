@@ -23,13 +23,15 @@ from engine_helpers import Gated  # noqa: E402
 from lanes.core.fake import EOS, fake_text  # noqa: E402
 from lanes.core.lane_core import LaneCore  # noqa: E402
 from lanes.families.qwen2_vl import VisionTokens  # noqa: E402
+from lanes.http.decode_gate import DecodeGate  # noqa: E402
 from lanes.http.media_fetch import MediaFetcher  # noqa: E402
 from lanes.http.service import Service  # noqa: E402
 from lanes.http.vision_inputs import VisionInputs  # noqa: E402
 from lanes.text.tokenizer import Tokenizer  # noqa: E402
+from mp4_boxes import find, make_mp4, patched, random_clip  # noqa: E402
 from server_helpers import serving  # noqa: E402
 from tiny import CHATML, write_tokenizer  # noqa: E402
-from tiny_vl import QWEN2_VL_TEMPLATE  # noqa: E402
+from tiny_vl import write_vl_tokenizer  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden" / "errors.json"
 CHAT = "/v1/chat/completions"
@@ -37,7 +39,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 MAX_BODY = 64 << 10
 ASK = [{"type": "predicate", "instructions": "Is it?"}]
 NESTED = json.loads("[" * 200 + "]" * 200)  # parses, but past the server's bound on nesting
-PAD = 260  # the vision setup's image placeholder id (inside the tiny vocabulary)
+PAD = 270  # the vision setup's image placeholder id (tiny_vl's tokenizer without labels; checked in setup)
 
 
 def image_data_url(data: bytes, kind: str = "image/png") -> str:
@@ -63,6 +65,33 @@ def decision_image(url: str, role: str = "user") -> dict:
 def asset_state(key: str, data: str, fmt: str = "png", state: str = "see the photo") -> dict:
     return {"state": state, "questions": {"q": {"type": "noul", "instructions": "Is it?"}},
             "assets": {key: {"type": "image", "format": fmt, "data_base64": data}}}
+
+
+def with_parts(*urls: str) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in urls]}],
+            "max_tokens": 2}
+
+
+def flat_png(width: int, height: int) -> bytes:
+    """One colour: a large image in a few kB."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def lying_mp4(lie: str) -> bytes:
+    """A 4-frame fragmented mp4 whose trun declares 0x5000000 samples, or whose sample entry names no codec."""
+    data = make_mp4(random_clip(4, 16, 16), options={"movflags": "frag_keyframe+empty_moov"})
+    if lie == "trun":
+        return patched(data, find(data, "moof/traf/trun")[0] + 12, 0x5000000)
+    return patched(data, find(data, "moov/trak/mdia/minf/stbl/stsd")[0] + 20, int.from_bytes(b"zzzz", "big"))
+
+
+def many_assets(count: int) -> dict:
+    state = " ".join(f"photo{i}" for i in range(count))
+    data = base64.b64encode(picture("PNG")).decode()
+    return {"state": state, "questions": {"q": {"type": "noul", "instructions": "Is it?"}},
+            "assets": {f"photo{i}": {"type": "image", "format": "png", "data_base64": data} for i in range(count)}}
 
 
 # name -> (server setup, method, path, body: raw string or JSON value, headers)
@@ -92,6 +121,15 @@ CASES = {
     "decisions-without-decider": ("plain", "POST", "/v1/decisions", {"input": "x", "questions": []}, {}),
     "systemone-without-decider": ("plain", "POST", "/v1/systemone", {"input": "x"}, {}),
     "no-such-endpoint": ("plain", "GET", "/v1/nothing", None, {}),
+    "unknown-model-by-id": ("plain", "GET", "/v1/models/gpt-9", None, {}),
+    "tokenize-past-max-open": ("open-full", "POST", "/v1/tokenize", {"prompt": "hello"}, {}),
+    "root-tokenize-prompt-wrong-type": ("plain", "POST", "/tokenize", {"prompt": 5}, {}),
+    "root-detokenize-wrong-type": ("plain", "POST", "/detokenize", {"tokens": "12"}, {}),
+    "request-not-http": ("plain", "RAW", "", b"GARBAGE / NOT-HTTP\r\n\r\n", {}),
+    "content-length-not-a-number": ("plain", "RAW", "", b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                                    b"Content-Length: ten\r\n\r\n", {}),
+    "body-too-slow": ("slow-body", "RAW", "", b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 40\r\n"
+                      b"\r\n{\"prompt\": ", {}),
     "method-not-allowed": ("plain", "GET", CHAT, None, {}),
     "detokenize-wrong-type": ("plain", "POST", "/v1/detokenize", {"tokens": "abc"}, {}),
     "missing-api-key": ("api-key", "POST", CHAT, {"messages": HELLO}, {}),
@@ -173,6 +211,14 @@ CASES = {
     "systemone-asset-not-base64": ("vision-decider", "POST", "/v1/systemone", asset_state("photo", "@@@@"), {}),
     "systemone-asset-not-an-image": ("vision-decider", "POST", "/v1/systemone",
                                      asset_state("photo", base64.b64encode(b"certainly not a picture").decode()), {}),
+    "video-trun-bomb": ("vision", "POST", CHAT, with_image(image_data_url(lying_mp4("trun"), "video/mp4"), "video_url"), {}),
+    "video-without-a-codec": ("vision", "POST", CHAT, with_image(image_data_url(lying_mp4("codec"), "video/mp4"),
+                                                                 "video_url"), {}),
+    "too-many-media-parts": ("vision", "POST", CHAT, with_parts(*[image_data_url(picture("PNG"))] * 17), {}),
+    # its header alone says 2000 x 2000: ~1300 rows, over the 512 of the context, refused before it is decoded
+    "images-past-the-context": ("vision", "POST", CHAT, with_image(image_data_url(flat_png(2000, 2000))), {}),
+    "image-over-the-decode-budget": ("vision-small-budget", "POST", CHAT, with_image(image_data_url(flat_png(3000, 3000))), {}),
+    "systemone-too-many-assets": ("vision-decider", "POST", "/v1/systemone", many_assets(17), {}),
 }
 
 
@@ -182,17 +228,62 @@ def tokenizer(folder: Path, labels: bool = False, template: str = CHATML) -> Tok
 
 
 def fake_service(folder: Path, **options) -> tuple[Service, Gated]:
-    """A fake backend's server; `labels` gives its tokenizer single-token decision labels."""
+    """A fake backend's server; `labels` gives its tokenizer single-token decision labels; `vision_urls` (True
+    or False) makes it a --vision server, with the vision placeholders in its tokenizer."""
     length = options.pop("max_model_len", 64)
     backend = Gated(lanes=options.pop("lanes", 2), blocks=options.pop("blocks", 64), max_model_len=length)
     core = LaneCore(backend, fake_text, [EOS], max_queue=options.pop("max_queue", 8),
                     max_rows=options.pop("max_rows", 256), max_decisions=options.pop("max_decisions", 64),
                     cache_bytes=options.pop("cache_bytes", 0))
-    text = tokenizer(folder, options.pop("labels", False), options.pop("template", CHATML))
-    return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, **options), backend
+    labels, urls = options.pop("labels", False), options.pop("vision_urls", None)
+    if urls is None:
+        text = tokenizer(folder, labels, options.pop("template", CHATML))
+        return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, **options), backend
+    ids = write_vl_tokenizer(folder, labels=labels)
+    tokens = VisionTokens(image=ids["<|image_pad|>"], video=ids["<|video_pad|>"], start=ids["<|vision_start|>"],
+                          end=ids["<|vision_end|>"], tokens_per_second=None)
+    inputs = VisionInputs(MediaFetcher(allow_urls=urls), tokens, **options.pop("vision_options", {}))
+    text = Tokenizer.from_folder(folder, ids["size"])
+    return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, vision=True, vision_inputs=inputs,
+                   **options), backend
 
 
-async def send(http: httpx.AsyncClient, method: str, path: str, body, headers: dict) -> httpx.Response:
+class RawAnswer:
+    """An answer read off a raw connection with h11's client side, shaped like the httpx answers here."""
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status_code, self.headers, self._body = status, headers, body
+
+    def json(self):
+        return json.loads(self._body)
+
+
+async def send_raw(http: httpx.AsyncClient, data: bytes) -> RawAnswer:
+    """`data` as it is, on a connection of its own: requests no HTTP client would write."""
+    import h11
+
+    stream = await trio.open_tcp_stream(http.base_url.host, http.base_url.port)
+    reader = h11.Connection(h11.CLIENT)
+    reader.send(h11.Request(method="POST", target="/", headers=[("Host", "test"), ("Content-Length", "0")]))
+    reader.send(h11.EndOfMessage())
+    async with stream:
+        await stream.send_all(data)
+        status, headers, body = 0, {}, b""
+        while True:
+            event = reader.next_event()
+            if event is h11.NEED_DATA:
+                reader.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status, headers = event.status_code, {k.decode().title(): v.decode() for k, v in event.headers}
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return RawAnswer(status, headers, body)
+
+
+async def send(http: httpx.AsyncClient, method: str, path: str, body, headers: dict):
+    if method == "RAW":
+        return await send_raw(http, body)
     if body is None:
         return await http.request(method, path, headers=headers)
     content = body if isinstance(body, str) else json.dumps(body)
@@ -211,14 +302,15 @@ async def setup(kind: str, folder: Path):
     elif kind == "decider":
         service, backend = fake_service(folder, decides=True, labels=True)
     elif kind in ("vision", "vision-urls"):
-        tokens = VisionTokens(image=PAD, video=PAD + 1, start=PAD + 2, end=PAD + 3, tokens_per_second=None)
-        fetcher = MediaFetcher(allow_urls=kind == "vision-urls")
-        service, backend = fake_service(folder, vision=True, vision_inputs=VisionInputs(fetcher, tokens),
-                                        template=QWEN2_VL_TEMPLATE)
+        service, backend = fake_service(folder, vision_urls=kind == "vision-urls", max_model_len=512)
+        assert service.vision_inputs.tokens.image == PAD
+    elif kind == "vision-small-budget":
+        service, backend = fake_service(folder, vision_urls=False, max_model_len=4096, blocks=512,
+                                        vision_options={"gate": DecodeGate(budget_bytes=64 << 20)})
+    elif kind == "slow-body":
+        service, backend = fake_service(folder, body_timeout=0.2)
     elif kind == "vision-decider":
-        tokens = VisionTokens(image=PAD, video=PAD + 1, start=PAD + 2, end=PAD + 3, tokens_per_second=None)
-        service, backend = fake_service(folder, vision=True, vision_inputs=VisionInputs(MediaFetcher(), tokens),
-                                        template=QWEN2_VL_TEMPLATE, decides=True, labels=True, max_model_len=512)
+        service, backend = fake_service(folder, vision_urls=False, decides=True, labels=True, max_model_len=512)
     else:
         service, backend = fake_service(folder)
     async with serving(service, grace=30) as url:

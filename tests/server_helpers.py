@@ -25,7 +25,8 @@ def torch_service(model, *, lanes: int = 4, max_rows: int = 64, max_queue: int =
 
 @asynccontextmanager
 async def serving(service: Service, grace: float = 5.0):
-    """Yields the base URL; on exit the server shuts down and the lane core's books must balance."""
+    """Yields the base URL; on exit the server shuts down and the lane core's and the decode gate's books must
+    balance."""
     runtime = Runtime(service, host="127.0.0.1", port=0, grace=grace)
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
@@ -38,6 +39,10 @@ async def serving(service: Service, grace: float = 5.0):
     core.check_integrity()
     assert core.pool.free == core.pool.total, core.pool.statistics()
     assert all(job is None for job in core.lanes)
+    if service.vision_inputs is not None:  # nothing left reserved on the decode gate
+        gate = service.vision_inputs.gate
+        gate.check_integrity()
+        assert (gate.statistics().held_bytes, gate.statistics().running, gate.statistics().waiting) == (0, 0, 0)
 
 
 def client(url: str, **options):

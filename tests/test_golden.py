@@ -26,3 +26,8 @@ async def test_every_refusal_matches_its_frozen_answer(tmp_path):
     assert frozen["shutting-down"]["status"] == 503
     context = [frozen[name]["body"]["error"]["code"] for name in ("prompt-past-the-context", "decision-past-the-context")]
     assert context == ["context_length_exceeded"] * 2 and frozen["systemone-past-the-context"]["status"] == 422
+    media = {name: frozen[name]["body"]["error"]["code"] for name in ("video-trun-bomb", "video-without-a-codec",
+             "too-many-media-parts", "images-past-the-context", "image-over-the-decode-budget")}
+    assert media == {"video-trun-bomb": "video_malformed", "video-without-a-codec": "video_codec",
+                     "too-many-media-parts": "too_many_media_parts", "images-past-the-context": "context_length_exceeded",
+                     "image-over-the-decode-budget": "media_over_budget"}

@@ -21,7 +21,7 @@ from golden_server import HELLO, fake_service
 from server_helpers import client, counted, serving, until
 
 CHAT = "/v1/chat/completions"
-BODY = json.dumps({"messages": HELLO, "max_tokens": 2}).encode()
+BODY = json.dumps({"messages": HELLO, "max_tokens": 2, "ignore_eos": True}).encode()
 
 
 def head(method: str, path: str, body: bytes = b"", *extra: str, version: str = "1.1") -> bytes:

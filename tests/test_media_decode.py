@@ -19,8 +19,10 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 from transformers.video_utils import read_video_pyav
 
-from lanes.vision.decode import MAX_IMAGE_PIXELS, decode_image, decode_video, sample_frame_indices
+from lanes.vision.decode import STRIP_ROWS, decode_image, decode_video
+from lanes.vision.headers import MAX_IMAGE_PIXELS, sample_frame_indices
 from lanes.vision.errors import CODES, MediaRejected
+from mp4_boxes import make_mp4, random_clip
 
 
 def random_rgb(height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -45,23 +47,6 @@ def grey_png(width: int, height: int, idat: bytes | None = None) -> bytes:
         idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
     header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
-
-
-def make_mp4(frames: np.ndarray, rate: int = 10, codec: str = "libx264", options: dict | None = None) -> bytes:
-    """`frames` [T, H, W, 3] uint8 encoded as an mp4 in memory."""
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4", options=options or {}) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        stream.codec_context.thread_count = 1  # one encoder thread: the same frames always give the same stream
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return out.getvalue()
-
-
-def random_clip(count: int, height: int = 48, width: int = 64, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
 
 
 def rejected(code: str, call, *args, **kwargs) -> None:
@@ -100,6 +85,22 @@ def test_modes_become_rgb_as_transformers_converts_them(mode: str) -> None:
     else:
         source = source.convert(mode)
     data = encode(source, "PNG", **({"transparency": 7} if mode == "P" else {}))
+    expected = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    assert np.array_equal(np.asarray(decode_image(data)), expected)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "L"])
+def test_transparency_composited_strip_by_strip_equals_transformers_whole(mode: str) -> None:
+    # 600 rows: three strips of STRIP_ROWS, the last one short
+    rng = np.random.default_rng(14)
+    source = Image.fromarray(random_rgb(600, 37, seed=14))
+    alpha = Image.fromarray(rng.integers(0, 256, (600, 37), dtype=np.uint8))
+    if mode in ("RGBA", "LA"):
+        source = Image.merge("RGBA", (*source.split(), alpha)).convert(mode)
+    else:
+        source = source.convert(mode)
+    data = encode(source, "PNG", **({} if mode in ("RGBA", "LA") else {"transparency": 7}))
+    assert 600 > 2 * STRIP_ROWS and Image.open(io.BytesIO(data)).info.get("transparency", 7) == 7
     expected = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
     assert np.array_equal(np.asarray(decode_image(data)), expected)
 

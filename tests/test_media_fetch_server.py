@@ -116,6 +116,9 @@ async def test_too_many_redirects(server):
     ("http://media.example/cat.png", "bad_url"),
     ("file:///etc/passwd", "bad_url"),
     ("data:image/png;base64,iVBORw==", "bad_url"),
+    ("https://[::1/x.png", "bad_url"),  # urljoin raises ValueError on these: a refusal, never a 500
+    ("//[zz]/x.png", "bad_url"),
+    ("//[::1", "bad_url"),
 ])
 async def test_redirect_checked_from_the_start(server, location, code):
     url = "https://media.example/redirect?" + f"to={location}".replace("&", "%26")

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
@@ -210,6 +211,20 @@ async def test_serve_ends_cleanly_with_exit_0_on_sigterm_and_sigint(tmp_path, st
             server.kill()
     log = seen.decode()
     assert f"{stop.name} received" in log and "stopped" in log and "Traceback" not in log
+    assert log.count(" on http://") == 1 and "Running on" not in log  # where it serves, said once
+    assert "shutting down: no live streams" in log and "garbage collector" not in log  # that line is debug's
+
+
+def test_help_answers_without_the_engine_and_its_flags_defaults_are_what_the_readme_says():
+    shown = subprocess.run([sys.executable, "-c", "import sys; from lanes.cli import main\n"
+                            "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+                            "print('torch' in sys.modules, 'trio' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.stdout.strip().splitlines()[-1] == "False False"  # --help never pays for torch's import
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert "| `--tp`, `--rank`, `--master`, `--master-port` | 1, none, none, none |" in readme
+    for flag in ("--send-timeout", "--keep-alive-timeout", "--send-buffer", "--max-media-parts"):
+        assert f"| `{flag}` |" in readme and flag in shown.stdout
 
 
 async def test_a_client_that_sends_its_body_too_slowly_gets_408_and_the_server_stays_up(tmp_path):

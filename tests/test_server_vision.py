@@ -25,6 +25,7 @@ from lanes.http.media_fetch import MediaFetcher
 from lanes.http.service import Service
 from lanes.http.vision_inputs import VisionInputs
 from lanes.loader import load_model
+from lanes.vision.measure import measure_image, measure_video
 from lanes.vision.qwen_image import VisionParams
 from server_helpers import client, serving
 
@@ -162,7 +163,7 @@ async def test_a_video_by_data_url_and_completions_images_are_answered_and_count
     reference, ids, model = vl
     service = vision_service(model)
     video = mp4(7)
-    prepared = service.vision_inputs._prepare(video, "video")  # its rows, as the server will lay them out
+    measured = measure_video(video, PARAMS, service.vision_inputs.sampling)  # its rows, as the server will lay them out
     async with serving(service) as url:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             with trio.fail_after(60):
@@ -175,10 +176,10 @@ async def test_a_video_by_data_url_and_completions_images_are_answered_and_count
                 completion = await http.post("/v1/completions", json={"prompt": "the hat", "images": [data_url(image)],
                                                                         "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert chat.status_code == 200, chat.text
-    assert prepared.visual.grid[0] >= 2 and chat.json()["usage"]["completion_tokens"] == 3
+    assert measured.grid[0] >= 2 and chat.json()["usage"]["completion_tokens"] == 3
     tokens = plain.json()["tokens"]
-    assert chat.json()["usage"]["prompt_tokens"] == len(tokens) and tokens.count(ids["<|video_pad|>"]) == prepared.visual.tokens
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens) and tokens.count(ids["<|video_pad|>"]) == measured.tokens
     assert completion.status_code == 200, completion.text
-    image_rows = service.vision_inputs._prepare(image, "image").visual.tokens
+    image_rows = measure_image(image, PARAMS).tokens
     text = model.tokenizer.encode("the hat")
     assert completion.json()["usage"]["prompt_tokens"] == 2 + image_rows + len(text)  # start, rows, end, then the prompt

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import trio
 
@@ -139,17 +139,23 @@ def place_assets(refuse: "Refuse", raw: Any, state_text: str) -> DecisionInput:
 
 
 async def with_images(service: Service, prompts: Sequence[Sequence[int]], images: Sequence[MediaPart], deadline: float,
-                      param: str, status: int) -> tuple[list[tuple[int, ...]], tuple[PromptMedia, ...]]:
+                      param: str, status: int, lengths_fit: Callable[[list[int]], None]
+                      ) -> tuple[list[tuple[int, ...]], tuple[PromptMedia, ...]]:
     """Every question's prompt with its images' rows, and the one PromptMedia tuple they all share.
 
-    The images are fetched and decoded once (within `deadline`); refusals answer with `status`."""
+    The images are fetched, measured and (once `lengths_fit` has taken every prompt's measured length)
+    decoded once, within `deadline`; refusals answer with `status`."""
     inputs = service.vision_inputs
     prepared = None
     with trio.move_on_at(deadline):
         try:
-            prepared = await inputs.prepare(images)
+            measured = await inputs.measure(images)
+            for prompt in prompts:
+                inputs.check_placeholders(prompt, [m.kind for m in measured])
+            lengths_fit([inputs.rows(prompt, measured) for prompt in prompts])
+            prepared = await inputs.decode(images, measured)
         except errors.ApiError as error:
-            raise dataclasses.replace(error, status=status) from None
+            raise dataclasses.replace(error, status=status, param=param if error.param is None else error.param) from None
     if prepared is None:
         raise errors.deadline_exceeded()
     try:

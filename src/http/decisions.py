@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import trio
@@ -82,11 +83,10 @@ def served_model(service: Service, name: str) -> str:
     return service.model_name
 
 
-def check_length(service: Service, prompts: list[list[int]], param: str, status: int) -> None:
+def check_length(service: Service, lengths: list[int], param: str, status: int) -> None:
     """A question longer than a lane can hold would wait out its deadline: refuse it now, as chat does."""
-    core = service.core
-    room = min(core.max_model_len, core.pool.total * core.pool.block_size)  # the lane core's own bound on a stream
-    longest = max(len(p) for p in prompts)
+    room = service.context_room()  # the lane core's own bound on a stream
+    longest = max(lengths)
     if longest > room:
         raise errors.decision_too_long(longest, room, param, status)
 
@@ -95,12 +95,12 @@ async def prompts_of(service: Service, given: DecisionInput, questions: list[Que
                      status: int) -> tuple[list[tuple[int, ...]], tuple]:
     """Each question's prompt over the input, its images' rows expanded, and the images' media."""
     prompts = [render(service.tokenizer, given.system, given.state, q) for q in questions]
-    check_length(service, prompts, param, status)
+    check_length(service, [len(p) for p in prompts], param, status)
     if not given.images:
         return [tuple(p) for p in prompts], ()
-    prompts, media = await with_images(service, prompts, given.images, deadline, param, status)
-    check_length(service, prompts, param, status)  # again: each image takes as many rows as its grid has patches
-    return prompts, media
+    # again, before any image is decoded: each takes as many rows as its measured grid has merged patches
+    fits = partial(check_length, service, param=param, status=status)
+    return await with_images(service, prompts, given.images, deadline, param, status, fits)
 
 
 async def run(service: Service, prompts: list[tuple[int, ...]], labels: list[tuple[int, ...]], deadline: float,

@@ -182,16 +182,25 @@ MEDIA_WORDS = {
     "image_too_large": "the image has too many pixels",
     "image_aspect_ratio": "the image is too narrow: one side is over 200 times the other",
     "video_unreadable": "the video could not be decoded as mp4",
+    "video_malformed": "the video's container declares counts or sizes that its data cannot hold or that exceed the server's limits",
+    "video_codec": "the video's codec is not one the server decodes (H.264, HEVC, AV1, VP9 or MPEG-4 part 2)",
     "video_no_stream": "the file has no video stream",
     "video_too_short": "the video has too few frames",
     "video_too_long": "the video has too many frames",
     "video_too_large": "the video's frames have too many pixels",
     "video_aspect_ratio": "the video is too narrow: one side is over 200 times the other",
+    "media_over_budget": "decoding the image or video would take more memory than the server allows one part",
 }
 
 
 def media_refused(code: str, param: str | None) -> ApiError:
     return ApiError(400, MEDIA_WORDS[code], param=param, code=code)
+
+
+def too_many_media_parts(given: int, limit: int, param: str | None = None) -> ApiError:
+    """More image and video parts than --max-media-parts, refused before any is fetched."""
+    return ApiError(400, f"the request has {given} images and videos but the server takes at most {limit} a request",
+                    param=param, code="too_many_media_parts")
 
 
 def media_placeholders(images: int, videos: int, given_images: int, given_videos: int, param: str = "prompt") -> ApiError:

@@ -124,6 +124,14 @@ def decode_data_url(url: str, kind: Kind, max_bytes: int) -> bytes:
     return data
 
 
+def joined(base: str, location: str) -> str:
+    """A redirect's Location resolved against the URL that gave it; one urljoin cannot parse is a bad URL."""
+    try:
+        return urljoin(base, location)
+    except ValueError:
+        raise MediaRefused("bad_url", "malformed Location in a redirect") from None
+
+
 @dataclass(frozen=True)
 class Target:
     """One hop's checked URL: the host as sent (SNI and Host), its port, the request target."""
@@ -228,7 +236,7 @@ class MediaFetcher:
                 return body
             if location is None:
                 raise MediaRefused("bad_status", f"{status} without a Location")
-            url = urljoin(target.url, location)
+            url = joined(target.url, location)
         raise MediaRefused("too_many_redirects", f"more than {self.limits.max_redirects}")
 
     async def _checked_addresses(self, target: Target) -> list[str]:

@@ -55,17 +55,35 @@ def chat_logprob(service: Service, event: TokenEvent) -> dict:
     return {**entry(event.token, event.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in event.top]}
 
 
-async def with_media(service: Service, prompt: Sequence[int], parts, deadline: float, param: str):
-    """The prompt with its images' and videos' rows, and their media; fetching counts toward the deadline."""
+async def with_media(service: Service, prompt: Sequence[int], parts, deadline: float, param: str, *,
+                     room_for: int | None = None):
+    """The prompt with its images' and videos' rows, and their media; fetching counts toward the deadline.
+
+    Parts are measured from their headers before any is decoded: placeholders must match them, and with
+    `room_for` (a generation's max_tokens, 0 when it has none) a prompt whose rows leave no room for it is
+    refused as the lane core would refuse it. Without it (/v1/tokenize) the rows are only counted."""
     if not parts:
         return prompt, ()
+    inputs = service.vision_inputs
     with trio.move_on_at(deadline):
-        prepared = await service.vision_inputs.prepare(parts)
         try:
-            return service.vision_inputs.expand(prompt, prepared)
+            measured = await inputs.measure(parts)
+            inputs.check_placeholders(prompt, [m.kind for m in measured])
+            if room_for is not None:
+                check_room(inputs.rows(prompt, measured), room_for, service.context_room(), param)
+            return inputs.expand(prompt, await inputs.decode(parts, measured))
         except errors.ApiError as error:
-            raise dataclasses.replace(error, param=param) from None
+            # refusals of the whole request (too many parts, placeholders) name the prompt's parameter; a part's, its own
+            raise (dataclasses.replace(error, param=param) if error.param is None else error) from None
     raise errors.deadline_exceeded()
+
+
+def check_room(rows: int, room_for: int, room: int, param: str) -> None:
+    """The lane core's own check on a stream's length, made on measured rows: the same refusal, sooner."""
+    if rows >= room:
+        raise errors.context_exceeded(rows + 1, room, param)
+    if rows + room_for > room:
+        raise errors.context_exceeded(rows + room_for, room, param)
 
 
 async def chat_completions(service: Service, body: dict, exchange: Exchange):
@@ -84,7 +102,7 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
     deadline = exchange.deadline = trio.current_time() + service.request_timeout
-    prompt, media = await with_media(service, prompt, parts, deadline, "messages")
+    prompt, media = await with_media(service, prompt, parts, deadline, "messages", room_for=common.sampling.max_tokens or 0)
     exchange.prompt_tokens = len(prompt)
     streams = await submit(service, prompt, common, deadline, "messages", media)
     head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
@@ -192,7 +210,8 @@ async def completions(service: Service, body: dict, exchange: Exchange):
     deadline = exchange.deadline = trio.current_time() + service.request_timeout
     media = ()
     if parts:
-        ids[0], media = await with_media(service, with_placeholders(service, ids[0], len(parts)), parts, deadline, "prompt")
+        ids[0], media = await with_media(service, with_placeholders(service, ids[0], len(parts)), parts, deadline, "prompt",
+                                         room_for=common.sampling.max_tokens or 0)
     exchange.prompt_tokens = sum(len(p) for p in ids)
     opened = []
     try:

@@ -86,6 +86,11 @@ class Service:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "lanes",
                 "max_model_len": self.max_model_len}
 
+    def context_room(self) -> int:
+        """The most tokens a stream may span: the model's length, or the whole KV pool if that is less."""
+        pool = self.core.pool
+        return min(self.core.max_model_len, pool.total * pool.block_size)
+
     def info(self) -> dict:
         stats = self.core.statistics()
         return {
@@ -96,6 +101,7 @@ class Service:
             "max_rows": stats.max_rows,
             "tp": self.tp,
             "vision": self.vision,
+            "media": self._media_info(),
             "decides": self.decides,
             "admission": {
                 "max_queue": stats.max_queue,
@@ -113,6 +119,13 @@ class Service:
             "tool_system": self.tool_system is not None,
             "followers": self._followers_info(),
         }
+
+    def _media_info(self) -> dict | None:
+        if self.vision_inputs is None:
+            return None
+        g = self.vision_inputs.statistics()
+        return {"max_parts": self.vision_inputs.max_parts, "decode_budget_bytes": g.budget_bytes,
+                "decode_slots": g.slots, "decode_held_bytes": g.held_bytes, "decoding": g.running, "waiting": g.waiting}
 
     def _followers_info(self) -> dict | None:
         if self.followers is None:

@@ -28,6 +28,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master-port", type=int, default=None, help="rank 0's port for torch.distributed (with --tp)")
     parser.add_argument("--vision", action="store_true", help="accept image and video inputs")
     parser.add_argument("--vision-urls", action="store_true", help="fetch public HTTPS image URLs")
+    parser.add_argument("--max-media-parts", type=int, default=16, help="images and videos one request may carry (then 400)")
+    parser.add_argument("--media-decode-bytes", type=int, default=4 << 30,
+                        help="memory the server's image and video decoding may hold at once; a part costing more gets 400")
     parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
     parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
     parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")

@@ -26,6 +26,7 @@ log = logging.getLogger("lanes.serve")
 
 # Flags whose capability is not built yet: refused at start-up by name, never ignored.
 NOT_YET: dict[str, str] = {}
+MIN_DECODE_BYTES = 256 << 20
 
 
 class NotAvailable(Exception):
@@ -41,6 +42,10 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
             raise NotAvailable(f"{flag} is not available in this version of lanes")
     if args.vision_urls and not args.vision:
         raise NotAvailable("--vision-urls needs --vision")
+    if args.max_media_parts < 1:
+        raise NotAvailable("--max-media-parts must be at least 1")
+    if args.media_decode_bytes < MIN_DECODE_BYTES:
+        raise NotAvailable(f"--media-decode-bytes must be at least {MIN_DECODE_BYTES} (reading a video's headers may take 140 MiB)")
     if args.vision and args.tp > 1:
         # Followers would need every image's embeddings broadcast with the plans; not built.
         raise NotAvailable("--vision with --tp above 1 is not available in this version of lanes")
@@ -85,15 +90,16 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
                    body_timeout=args.body_timeout, send_timeout=args.send_timeout, idle_timeout=args.keep_alive_timeout,
-                   send_buffer=args.send_buffer,
-                   tp=spec.world if spec else 1, followers=followers,
-                   vision=args.vision, vision_inputs=vision_inputs(model, args.vision_urls) if args.vision else None)
+                   send_buffer=args.send_buffer, tp=spec.world if spec else 1, followers=followers,
+                   vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None)
 
 
-def vision_inputs(model, urls: bool):
-    """How this server turns image and video parts into media: the model folder's processor settings."""
+def vision_inputs(model, args: argparse.Namespace):
+    """How this server turns image and video parts into media: the model folder's processor settings, the
+    flags' bounds and the server's one decode gate."""
     import json
 
+    from .http.decode_gate import DecodeGate
     from .http.media_fetch import MediaFetcher
     from .http.vision_inputs import VisionInputs
     from .vision.qwen_image import VisionParams
@@ -105,9 +111,10 @@ def vision_inputs(model, urls: bool):
     image = read("preprocessor_config.json") or {}
     video = read("video_preprocessor_config.json")
     try:
-        return VisionInputs(MediaFetcher(allow_urls=urls), model.vision_tokens,
+        return VisionInputs(MediaFetcher(allow_urls=args.vision_urls), model.vision_tokens,
                             image=VisionParams.from_preprocessor_config(image),
-                            video=VisionParams.from_preprocessor_config(video if video is not None else image, video=True))
+                            video=VisionParams.from_preprocessor_config(video if video is not None else image, video=True),
+                            max_parts=args.max_media_parts, gate=DecodeGate(args.media_decode_bytes))
     except ValueError as error:
         raise NotAvailable(f"--vision: the model's preprocessor config: {error}") from None
 

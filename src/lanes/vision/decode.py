@@ -1,44 +1,49 @@
-"""Bytes to pixels: JPEG and PNG with Pillow, mp4 with av; plain sync functions for a worker thread."""
+"""Bytes to pixels: JPEG and PNG with Pillow, mp4 with av; plain sync functions for a worker thread.
 
-import io
-import math
-import struct
+Headers are read and checked first (lanes.vision.headers); pixels are decoded only once they pass.
+"""
+
 from dataclasses import dataclass
 
 import av
 import numpy as np
-import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 from lanes.vision.errors import MediaRejected
+from lanes.vision.headers import (
+    MAX_IMAGE_PIXELS,
+    PILLOW_DATA_ERRORS,
+    Sampling,
+    VideoHeader,
+    open_image,
+    open_video,
+    video_header,
+)
 
-# 64 Mpx is above what cameras and phones write by default (<= 50 Mpx) and caps one RGB decode at 192 MiB.
-MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-# One 4K UHD frame: larger frames are refused before any is decoded.
-MAX_FRAME_PIXELS = 3840 * 2160
-# Ten minutes at 30 fps: sampling decodes every frame up to the last one taken.
-MAX_TOTAL_FRAMES = 18_000
-# The sampled frames are held at once: 2**29 px is ~1.5 GiB of RGB, about 2 min of 1080p at 2 fps.
-MAX_SAMPLED_PIXELS = 2**29
-# Qwen2-VL's video processor: at least 4 frames, at most 768, counts a multiple of temporal_patch_size.
-MIN_FRAMES = 4
-MAX_FRAMES = 768
-
-# Pillow calls a JPEG with a multi-picture extension (many phone photos) MPO; it is still a JPEG.
-_IMAGE_FORMATS = frozenset({"JPEG", "MPO", "PNG"})
-# Errors Pillow's parsers raise on bad data besides OSError (zlib, struct and chunk-size checks).
-_PILLOW_DATA_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error)
+# Rows composited onto white at a time: a strip's RGBA copies are held, never the whole image's.
+STRIP_ROWS = 256
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB as transformers' `convert_to_rgb` makes it: any transparency composited onto white."""
+    """RGB as transformers' `convert_to_rgb` makes it: any transparency composited onto white.
+
+    Compositing is per pixel, so it runs strip by strip into one RGB image: the same pixels as the whole
+    image at once, without its three full-size RGBA copies."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
+        out = Image.new("RGB", image.size)
+        for top in range(0, image.height, STRIP_ROWS):
+            strip = image.crop((0, top, image.width, min(image.height, top + STRIP_ROWS)))
+            out.paste(_over_white(strip), (0, top))
+        return out
     if image.mode == "RGB":
         return image
     return image.convert("RGB")
+
+
+def _over_white(image: Image.Image) -> Image.Image:
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
 
 
 def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
@@ -47,28 +52,17 @@ def decode_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
     The pixel count in the header is checked against `max_pixels` before any pixel is decoded.
     Raises `MediaRejected` (image_unreadable, image_format, image_too_large, image_truncated).
     """
+    image = open_image(data, max_pixels)  # not closed on success: closing drops the pixels returned
     try:
-        image = Image.open(io.BytesIO(data))
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # in place: no copy of an image already upright
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        image.close()
         raise MediaRejected("image_too_large") from None
-    except (UnidentifiedImageError, *_PILLOW_DATA_ERRORS):
-        raise MediaRejected("image_unreadable") from None
-    with image:
-        if image.format not in _IMAGE_FORMATS:
-            raise MediaRejected("image_format")
-        width, height = image.size
-        if width <= 0 or height <= 0:
-            raise MediaRejected("image_unreadable")
-        if width * height > max_pixels:
-            raise MediaRejected("image_too_large")
-        try:
-            image.load()
-            upright = ImageOps.exif_transpose(image)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-            raise MediaRejected("image_too_large") from None
-        except _PILLOW_DATA_ERRORS:
-            raise MediaRejected("image_truncated") from None
-    return to_rgb(upright)
+    except PILLOW_DATA_ERRORS:
+        image.close()
+        raise MediaRejected("image_truncated") from None
+    return to_rgb(image)
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,106 +80,44 @@ class VideoFrames:
         return len(self.indices) / self.total_frames * self.video_fps
 
 
-def sample_frame_indices(
-    total_frames: int,
-    video_fps: float,
-    *,
-    fps: float = 2.0,
-    min_frames: int = MIN_FRAMES,
-    max_frames: int = MAX_FRAMES,
-    temporal_patch_size: int = 2,
-) -> tuple[int, ...]:
-    """Which frames Qwen2-VL's video processor takes (`Qwen2VLVideoProcessor.sample_frames` with fps).
-
-    `fps` a second of the clip, clamped to [min_frames, max_frames] and to the clip, floored to a
-    multiple of `temporal_patch_size`, spread evenly from frame 0: transformers' indices less any
-    past the last frame. Raises `MediaRejected` (video_too_short) when that leaves no frame.
-    """
-    max_frames = math.floor(min(max_frames, total_frames) / temporal_patch_size) * temporal_patch_size
-    num_frames = total_frames / video_fps * fps
-    num_frames = min(max(num_frames, min_frames), max_frames, total_frames)
-    num_frames = math.floor(num_frames / temporal_patch_size) * temporal_patch_size
-    if num_frames <= 0:
-        raise MediaRejected("video_too_short")
-    # transformers' own expression: a float32 arange truncated, so the same indices come out
-    indices = torch.arange(0, total_frames, total_frames / num_frames, dtype=torch.float32).int()
-    # arange's length rounding can add index total_frames, which no frame has and transformers never gets
-    return tuple(i for i in indices.tolist() if i < total_frames)
-
-
-def decode_video(
-    data: bytes,
-    *,
-    fps: float = 2.0,
-    min_frames: int = MIN_FRAMES,
-    max_frames: int = MAX_FRAMES,
-    temporal_patch_size: int = 2,
-    max_pixels: int = MAX_FRAME_PIXELS,
-    max_total_frames: int = MAX_TOTAL_FRAMES,
-    max_sampled_pixels: int = MAX_SAMPLED_PIXELS,
-) -> VideoFrames:
+def decode_video(data: bytes, **sampling) -> VideoFrames:
     """An mp4's first video stream, sampled as transformers samples it (see `sample_frame_indices`).
 
-    Frames are those transformers' pyav reader takes for the same indices: decoded in order from
-    the start, converted to rgb24. Sizes and counts are checked before frames are converted.
-    Raises `MediaRejected` (video_unreadable, video_no_stream, video_too_large, video_too_long,
-    video_too_short).
+    `sampling` overrides `Sampling`'s fields (fps, min_frames, max_frames, temporal_patch_size,
+    max_pixels, max_total_frames, max_sampled_pixels). Frames are those transformers' pyav reader takes
+    for the same indices: decoded in order from the start, converted to rgb24. The boxes are probed
+    before FFmpeg reads any, and sizes and counts are checked before any frame is decoded.
+    Raises `MediaRejected` (video_unreadable, video_malformed, video_codec, video_no_stream,
+    video_too_large, video_too_long, video_too_short).
     """
+    limits = Sampling(**sampling)
+    return decode_frames(video_header(data, limits), limits)
+
+
+def decode_frames(header: VideoHeader, sampling: Sampling) -> VideoFrames:
+    """The frames `header` says sampling takes (counted first when the container gives no count)."""
+    total, indices = header.total_frames, header.indices
     try:
-        # only the mp4 demuxer ever parses these bytes
-        container = av.open(io.BytesIO(data), format="mp4")
+        if header.counted:
+            total = _count_frames(header.data, sampling.max_pixels, sampling.max_total_frames)
+            indices = sampling.indices(total, header.video_fps, header.width, header.height)
+        with open_video(header.data, sampling.max_pixels) as container:
+            frames, taken = _collect(container, container.streams.video[0], indices, (header.height, header.width))
+    except MediaRejected:
+        raise
     except (av.error.FFmpegError, OSError, ValueError):
         raise MediaRejected("video_unreadable") from None
-    with container:
-        if not container.streams.video:
-            raise MediaRejected("video_no_stream")
-        stream = container.streams.video[0]
-        width, height = stream.width, stream.height
-        if width <= 0 or height <= 0:
-            raise MediaRejected("video_unreadable")
-        if width * height > max_pixels:
-            raise MediaRejected("video_too_large")
-        if stream.average_rate is None or stream.average_rate <= 0:
-            raise MediaRejected("video_unreadable")
-        video_fps = float(stream.average_rate)
-        try:
-            total = stream.frames if stream.frames > 0 else _count_frames(data, max_total_frames)
-        except (av.error.FFmpegError, OSError, ValueError):
-            raise MediaRejected("video_unreadable") from None
-        if total > max_total_frames:
-            raise MediaRejected("video_too_long")
-        if total <= 0:
-            raise MediaRejected("video_too_short")
-        indices = sample_frame_indices(
-            total,
-            video_fps,
-            fps=fps,
-            min_frames=min_frames,
-            max_frames=max_frames,
-            temporal_patch_size=temporal_patch_size,
-        )
-        if len(indices) * width * height > max_sampled_pixels:
-            raise MediaRejected("video_too_large")
-        try:
-            frames, taken = _collect(container, stream, indices, (height, width))
-        except (av.error.FFmpegError, OSError, ValueError):
-            raise MediaRejected("video_unreadable") from None
-    if not frames:
+    if not taken:
         raise MediaRejected("video_too_short")
-    return VideoFrames(
-        frames=np.stack(frames),  # [T, H, W, 3] uint8
-        indices=taken,
-        total_frames=total,
-        video_fps=video_fps,
-    )
+    return VideoFrames(frames=frames[: len(taken)], indices=taken, total_frames=total, video_fps=header.video_fps)
 
 
-def _count_frames(data: bytes, limit: int) -> int:
+def _count_frames(data: bytes, max_pixels: int, limit: int) -> int:
     """Decoded frames of a stream whose header has no count (fragmented mp4), stopping past `limit`.
 
     A container of its own: decoding again after a seek could hand back frames of a decoder not yet flushed."""
     count = 0
-    with av.open(io.BytesIO(data), format="mp4") as container:
+    with open_video(data, max_pixels) as container:
         for _ in container.decode(container.streams.video[0]):
             count += 1
             if count > limit:
@@ -198,10 +130,10 @@ def _collect(
     stream: av.VideoStream,
     indices: tuple[int, ...],
     shape: tuple[int, int],
-) -> tuple[list[np.ndarray], tuple[int, ...]]:
-    """The frames at `indices` as rgb24 arrays, decoding in order from the start as transformers does."""
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The frames at `indices` as rgb24 in one array, decoding in order from the start as transformers does."""
     wanted = set(indices)
-    frames: list[np.ndarray] = []
+    frames = np.empty((len(indices), *shape, 3), dtype=np.uint8)  # [T, H, W, 3]: written in place, never stacked
     taken: list[int] = []
     for i, frame in enumerate(container.decode(stream)):
         if i > indices[-1]:
@@ -211,6 +143,6 @@ def _collect(
         # a stream may change size midway; the processors stack frames of one size
         if (frame.height, frame.width) != shape:
             raise MediaRejected("video_unreadable")
-        frames.append(frame.to_ndarray(format="rgb24"))  # [H, W, 3] uint8
+        frames[len(taken)] = frame.to_ndarray(format="rgb24")  # [H, W, 3] uint8
         taken.append(i)
     return frames, tuple(taken)

@@ -138,10 +138,12 @@ def preprocess_image(image: Image.Image, params: VisionParams = IMAGE_DEFAULTS) 
     height, width = smart_resize(image.height, image.width, params, kind="image")
     resized = image.resize((width, height), resample=Image.Resampling.BICUBIC)
     pixels = np.asarray(resized)  # [H, W, 3] uint8
-    rescaled = (pixels.astype(np.float64) * params.rescale_factor).astype(np.float32)
-    mean = np.array(params.image_mean, dtype=np.float32)
-    std = np.array(params.image_std, dtype=np.float32)
-    normalized = (rescaled - mean) / std  # [H, W, 3] float32
+    rescaled = pixels.astype(np.float64)
+    rescaled *= params.rescale_factor  # in place, as every step below: the same values, no temporaries
+    normalized = rescaled.astype(np.float32)  # [H, W, 3] float32
+    del rescaled
+    normalized -= np.array(params.image_mean, dtype=np.float32)
+    normalized /= np.array(params.image_std, dtype=np.float32)
     chw = torch.from_numpy(normalized).permute(2, 0, 1)  # [3, H, W] float32
     # an image is a clip of temporal_patch_size copies of itself
     clip = chw.unsqueeze(0).expand(params.temporal_patch_size, -1, -1, -1)  # [tp, 3, H, W]
@@ -159,14 +161,16 @@ def preprocess_video(frames: np.ndarray, params: VisionParams = VIDEO_DEFAULTS) 
         raise ValueError(f"frames must be [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
     if frames.shape[0] == 0:
         raise MediaRejected("video_too_short")
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()  # [T, 3, H, W] uint8
+    # [T, 3, H, W] uint8 in channels-last strides: no copy, and the resize gives the same values from it
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     height, width = smart_resize(video.shape[2], video.shape[3], params, kind="video")
     if (height, width) != tuple(video.shape[2:]):
         # torchvision's resize_image on CPU uint8 bicubic calls exactly this, natively in uint8
         video = F.interpolate(video, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
     mean = torch.tensor(params.image_mean, dtype=torch.float32) * (1.0 / params.rescale_factor)  # [3]
     std = torch.tensor(params.image_std, dtype=torch.float32) * (1.0 / params.rescale_factor)  # [3]
-    normalized = (video.to(torch.float32) - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)  # [T, 3, H, W] float32
+    normalized = video.to(torch.float32)  # [T, 3, H, W] float32
+    normalized.sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))  # in place: (x - mean) / std, no temporaries
     if pad := -normalized.shape[0] % params.temporal_patch_size:
         normalized = torch.cat((normalized, normalized[-1:].expand(pad, -1, -1, -1)))
     return _visual("video", normalized, params)
