@@ -18,7 +18,7 @@ if cuda_device_count() == 0:
 DEVICE = "cuda" if cuda_device_count() else "cpu"
 pytest.importorskip("triton")
 
-from lanes.families.decoder import rms_norm  # noqa: E402
+from lanes.families.norm import rms_norm  # noqa: E402
 from lanes.families.rope import apply_rotary, cos_sin  # noqa: E402
 from lanes.gpu import kernels  # noqa: E402
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention  # noqa: E402

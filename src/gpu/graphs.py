@@ -151,7 +151,13 @@ class DecodeGraphs:
                 cached[row] = blocks
 
     def capture(self, quiet: bool = False) -> None:
-        """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line."""
+        """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line. A
+        decoder with a part a graph cannot hold (`graph_safe`: MoE's grouped experts) stays uncaptured."""
+        if not self.decoder.graph_safe:
+            if not quiet:
+                print("lanes: decode graphs not captured: the MoE layers' grouped experts read their row counts on "
+                      "the host; the fast step runs uncaptured", file=sys.stderr)
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.decoder.device)
         stream.wait_stream(torch.cuda.current_stream())
