@@ -59,7 +59,7 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator) * (1.0 if name.endswith(ROUTER) else 0.15)
+            noise = torch.randn(param.shape, generator=generator) * (0.5 if name.endswith(ROUTER) else 0.15)
             param.copy_(1.0 + noise if "norm" in name else noise)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
