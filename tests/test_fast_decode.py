@@ -48,6 +48,9 @@ def decode_inputs(model, tables, lengths, tokens, width):
 @pytest.mark.parametrize("kind, overrides, lanes", [
     ("qwen2", {}, [5, 17, 33]), ("qwen3", dict(head_dim=32), [5, 17, 33]), ("llama", dict(num_key_value_heads=4), [5, 17, 33]),
     ("qwen2", {}, [21]), ("qwen3", dict(head_dim=32), [9]),  # one row: the fused GEMVs
+    # MoE parts in the fast step: grouped sigmoid routing, a dense first layer, partial rotary in the RoPE kernel
+    ("glm4_moe", dict(num_hidden_layers=3, attention_bias=True, n_group=2, topk_group=1), [5, 17, 33]),
+    ("qwen2_moe", {}, [5, 17, 33]), ("qwen3_moe", dict(head_dim=32, num_experts=16, num_experts_per_tok=8), [9]),
 ])
 def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -242,6 +242,35 @@ async def test_a_server_that_stops_with_a_block_still_held_logs_its_books_and_fa
                       f"{service.core.pool.statistics()}"]
 
 
+async def test_two_ranks_of_an_moe_family_equal_the_single_rank_server(tmp_path):
+    """GLM-4.5's shape (a dense first layer, grouped sigmoid routing, a shared expert, partial rotary) over
+    gloo: every expert split over both ranks; prompt passes and decode rows in shared passes."""
+    tiny.build("glm4_moe", tmp_path, num_hidden_layers=3, n_group=2, topk_group=1, attention_bias=True)
+    model = load_model(tmp_path, choose("cpu", "fp32"), kv_blocks=200, quiet=True)
+    with trio.fail_after(120):
+        async with serving(torch_service(model, lanes=4, max_model_len=512)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                expected = {p: (await http.post("/v1/completions", json=completion(p, logprobs=3))).json() for p in PROMPTS}
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, url = await start_two_ranks(nursery, tmp_path, "--lanes", "4")
+            replies = {}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+
+                async def ask(prompt):
+                    replies[prompt] = (await http.post("/v1/completions", json=completion(prompt, logprobs=3))).json()
+
+                async with trio.open_nursery() as clients:
+                    for prompt in PROMPTS:
+                        clients.start_soon(ask, prompt)
+            rank0.signal(signal.SIGTERM)
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 0, rank0.text
+                assert await rank1.exit_code() == 0, rank1.text
+    for prompt in PROMPTS:
+        assert_same(replies[prompt], expected[prompt])
+    assert "Traceback" not in rank0.text + rank1.text
+
+
 def test_rank_flags_are_checked_before_anything_loads(folder):
     import subprocess
     import sys
