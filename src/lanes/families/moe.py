@@ -1,11 +1,11 @@
 """The routed MoE part: a router, the routed experts and, where the family has them, shared experts.
 
 The experts run grouped: every (token, choice) pair is sorted by expert, each expert's rows go through
-its matrices together (one product an expert with rows), and the outputs are scattered back onto their
-tokens with their routing weights. Each rank holds a slice of every expert's intermediate dimension (as a
-dense MLP is split), so the routed and the shared outputs are partial sums, added and then summed across
-ranks once. The grouped path reads how many rows each expert got on the host, so a captured graph cannot
-hold it: on CUDA that is the fused path's job.
+its matrices together (`ExpertLinear.grouped`), and the outputs are scattered back onto their tokens
+with their routing weights; no Python loop visits tokens. Each rank holds a slice of every expert's
+intermediate dimension (as a dense MLP is split), so the routed and the shared outputs are partial sums,
+added and then summed across ranks once. Off the CPU the grouped product loops over experts with rows,
+reading their counts on the host, so a captured graph cannot hold it yet: CUDA's fused path will.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..gpu.collective import Collective
 from .config import ModelConfig, MoEConfig
-from .linear import ExpertLinear, Linear
+from .linear import ExpertLinear, Groups, Linear
 from .mlp import GatedMLP
 from .names import MoENames
 from .routing import SigmoidGroupRouter, SoftmaxRouter
@@ -35,10 +35,10 @@ class Experts:
         picks = ids.reshape(-1)  # [T * k]
         order = torch.argsort(picks, stable=True)  # picks grouped by expert, in token order within each
         tokens = order // k  # [T * k]: the token of each sorted pick
-        counts = torch.bincount(picks, minlength=self.gate_up.weight.shape[0]).tolist()  # the host read
+        groups = Groups(torch.bincount(picks, minlength=self.gate_up.weight.shape[0]).cumsum(0).to(torch.int32))
         rows = x.index_select(0, tokens)  # [T * k, hidden]
-        gate, up = self.gate_up.grouped(rows, counts).chunk(2, dim=-1)
-        out = self.down.grouped(F.silu(gate) * up, counts)  # [T * k, hidden]
+        gate, up = self.gate_up.grouped(rows, groups).chunk(2, dim=-1)
+        out = self.down.grouped(F.silu(gate) * up, groups)  # [T * k, hidden]
         out = (out * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out)
 
@@ -84,7 +84,7 @@ class MoE:
             shared_gate = Linear(read.get(prefix + names.shared_gate + ".weight", (1, hidden)))
         return cls(router, experts, shared, shared_gate, comm, config.rms_eps)
 
-    graph_safe = False  # the grouped path reads each expert's row count on the host
+    graph_safe = False  # off the CPU the grouped product reads each expert's row count on the host
 
     def one_row_ready(self) -> bool:
         return True  # the graphed step runs the block as it is, with no GEMV of its own
