@@ -115,7 +115,7 @@ def decoder_config(config: Mapping[str, Any], family: str, **flags: Any) -> Mode
     """The fields every Llama-shaped decoder shares; `flags` are the family's own (bias, q/k norm, experts)."""
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigFault(f"activation {config['hidden_act']!r} is not supported (silu only)")
-    window = config.get("sliding_window")
+    window = config.get("sliding_window")  # Mixtral's configs give only this: a window past the context is none
     if config.get("use_sliding_window") or ("use_sliding_window" not in config and window and
                                             window < int(config.get("max_position_embeddings") or 4096)):
         raise ConfigFault("sliding-window attention is not supported")

@@ -52,4 +52,5 @@ def family_for(config: Mapping[str, Any]) -> Family:
 
 
 def _load_builtin() -> None:
-    from . import glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_moe  # noqa: F401  (each registers itself on import)
+    # each registers itself on import
+    from . import glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_moe  # noqa: F401
