@@ -26,7 +26,7 @@ from lanes.core.lane_core import LaneCore
 from lanes.core.plan import PassResult, Sampled
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request
-from lanes.core.torch_backend import text_factory
+from lanes.backend.torch_backend import text_factory
 from lanes.gpu.device import CpuRunner
 from lanes.gpu.polling import PassWaiter
 from lanes.heap import freeze_startup_heap

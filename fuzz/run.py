@@ -117,7 +117,7 @@ _models: dict[int, object] = {}
 
 def torch_backend(scn: Scenario):
     """The tiny torch model (built once a pool size) as a backend, passes run inline."""
-    from lanes.core.torch_backend import TorchBackend
+    from lanes.backend.torch_backend import TorchBackend
 
     if scn.blocks not in _models:
         import tempfile

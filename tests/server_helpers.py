@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner
 from lanes.http.service import Service
 from lanes.runtime import Runtime

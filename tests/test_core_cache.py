@@ -88,7 +88,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.parametrize("restore_fails", [False, True])
 async def test_restored_prefixes_give_the_tokens_of_a_fresh_prefill_on_a_torch_model(tiny_model, restore_fails, monkeypatch):
-    from lanes.core.torch_backend import TorchBackend, text_factory
+    from lanes.backend.torch_backend import TorchBackend, text_factory
     from lanes.gpu.device import CpuRunner
 
     g = torch.Generator().manual_seed(5)

@@ -11,7 +11,7 @@ import torch
 
 import scenario
 import tiny
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 

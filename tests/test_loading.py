@@ -23,7 +23,7 @@ import tiny_gguf
 from lanes.checkpoint.gguf_source import GGUFSource
 from lanes.checkpoint.safetensors_source import SafetensorsSource
 from lanes.families.weights import Shard, load_decoder, tensor_count
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model, open_checkpoint
 

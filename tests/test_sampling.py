@@ -21,21 +21,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from lanes.core.penalties import PenaltyState
-from lanes.core.sampling import (
-    GOLDEN,
-    InvalidParameter,
-    RowSampling,
-    SamplingParams,
-    greedy_draw,
-    plain_greedy,
-    prompt_logprobs,
-    process,
-    read_back,
-    sample,
-    splitmix64,
-    uniforms,
-)
+from lanes.backend.draws import GOLDEN, prompt_logprobs, process, read_back, sample, splitmix64, uniforms
+from lanes.backend.penalties import PenaltyState
+from lanes.core.sampling import InvalidParameter, RowSampling, SamplingParams, plain_greedy
+from lanes.gpu.graphs import greedy_draw
 
 VOCAB = 64
 # (params, prompt, produced tokens) per row; lanes are the row numbers.

@@ -21,7 +21,7 @@ from .families.decoder import Decoder
 from .families.registry import Family, family_for
 from .families.weights import Shard, load_decoder, tensor_count
 from .progress import Progress
-from .gpu.blocks import BLOCK_SIZE
+from .core.blocks import BLOCK_SIZE
 from .gpu.collective import Collective, Solo
 from .gpu.device import Placement
 from .gpu.kv import KVCache, KVShape

@@ -13,8 +13,8 @@ from .families.weights import Shard
 from .followers import Followers, FollowersBackend
 from .gpu.ranks import RankSpec, join, leave, startup_barrier
 from .launch import device_of, follower_main, kv_blocks, launched_followers, model_length, rank_spec
-from .core.torch_backend import TorchBackend, text_factory
-from .gpu.blocks import blocks_for
+from .backend.torch_backend import TorchBackend, text_factory
+from .core.blocks import blocks_for
 from .gpu.device import choose, runner_for
 from .heap import freeze_startup_heap
 from .http.service import Service

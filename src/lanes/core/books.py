@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .blocks import IntegrityError
 from .schedule import Phase
 
 
@@ -28,8 +29,6 @@ class CoreStats:
     blocks_free: int
 
 
-class IntegrityError(AssertionError):
-    """The lane core's bookkeeping is broken: a bug, never a user error."""
 
 
 def statistics(core) -> CoreStats:

@@ -7,7 +7,7 @@ from typing import Any, Hashable
 
 import trio
 
-from ..gpu.blocks import IntegrityError
+from .blocks import IntegrityError
 from .stream import EngineError, Request
 
 

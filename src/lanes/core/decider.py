@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Sequence
 
-from ..gpu.blocks import blocks_for
+from .blocks import blocks_for
 from .commands import Reply
 from .media import PromptMedia, check_media
 from .plan import LabelRead

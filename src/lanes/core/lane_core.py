@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import trio
 
-from ..gpu.blocks import BlockPool, BlockTable, blocks_for
+from .blocks import BlockPool, BlockTable, blocks_for
 from . import books, schedule
 from .books import CoreStats, IntegrityError  # noqa: F401  (re-exported)
 from .backend import Backend

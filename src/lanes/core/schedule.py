@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
-from ..gpu.blocks import BlockTable
+from .blocks import BlockTable
 from .media import cache_key
 from .passes import Piece
 from .plan import PassResult, Plan, Sampled, Work

@@ -14,17 +14,18 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..core.backend import BackendShape
+from ..core.plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
+from ..core.sampling import RowSampling, SamplingParams, plain_greedy
+from ..core.stops import TextAssembler
 from ..gpu.device import CpuRunner, CudaRunner
-from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled
+from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled, greedy_draw
+from ..gpu.transfer import PinnedRing, to_host
 from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
-from .backend import BackendShape
-from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
-from ..gpu.transfer import PinnedRing, to_host
+from .draws import Sampled as SampledTensors
+from .draws import on_host, prompt_logprobs, sample
 from .penalties import PenaltyState
-from .sampling import RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
-from .sampling import Sampled as SampledTensors
-from .stops import TextAssembler
 from .vision_lanes import VisionLanes
 
 

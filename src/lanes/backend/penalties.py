@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .sampling import RowSampling
+    from ..core.sampling import RowSampling
 
 
 class PenaltyState:
