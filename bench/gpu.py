@@ -254,10 +254,10 @@ def greedy_plan(backend, lanes: int, reserve: int, piece, prompts: bool = False)
 def pass_time(backend, plan: Plan, repeats: int) -> float:
     """Seconds a whole pass takes on the host clock (launched, waited for, read back), after warm-ups."""
     for _ in range(3):
-        backend.run_pass(plan)
+        backend.launch(plan).result()
     began = time.perf_counter()
     for _ in range(repeats):
-        backend.run_pass(plan)
+        backend.launch(plan).result()
     return (time.perf_counter() - began) / repeats
 
 

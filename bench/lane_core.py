@@ -60,7 +60,7 @@ class QueuedPass:
         return await self.runner.run(run, started)
 
     def _result(self, plan) -> PassResult:
-        return PassResult(tuple(Sampled(20 + (plan.step * 7 + w.piece.lane) % (self.vocab - 20)) if w.sample else None
+        return PassResult(tuple(Sampled((20 + (plan.step * 7 + w.piece.lane) % (self.vocab - 20),)) if w.sample else None
                                 for w in plan.work), tuple(None for _ in plan.work))
 
     def bind(self, *args) -> None:

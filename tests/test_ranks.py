@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import tiny
-from lanes.core.lane_core import IntegrityError
+from lanes.core.blocks import IntegrityError
 from lanes.followers import HEARTBEAT
 from lanes.gpu.device import choose
 from lanes.gpu.ranks import PASS_SECONDS

@@ -123,29 +123,46 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     }
 
 
-async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncIterator[str]:
-    chunk = {**head, "object": "chat.completion.chunk"}
+def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncIterator[str]:
+    opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for index in range(len(streams))]
+
+    def token(index: int, event: TokenEvent) -> dict | None:
+        logprobs = {"content": [chat_logprob(service, event)]} if common.sampling.logprobs else None
+        if not (event.text or logprobs):
+            return None
+        return {"index": index, "delta": {"content": event.text}, "logprobs": logprobs, "finish_reason": None}
+
+    def finish(index: int, event: Finished) -> dict:
+        delta = {"content": event.text} if event.text else {}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason(event)}
+
+    return stream_body(streams, common, {**head, "object": "chat.completion.chunk"}, deadline, exchange,
+                       opening, token, finish)
+
+
+async def stream_body(streams, common, head: dict, deadline: float, exchange: Exchange, opening: list[dict],
+                      token, finish) -> AsyncIterator[str]:
+    """The server-sent events chat and completions share: the opening choices, a chunk for each token that
+    `token` makes one of and at each choice's end, the usage when asked, `[DONE]`; an engine error on the
+    way becomes its error event and the stream's status in the log."""
     try:
-        for index in range(len(streams)):
-            yield sse({**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
+        for choice in opening:
+            yield sse({**head, "choices": [choice]})
         async for index, event in events(streams, deadline, exchange.timing):
             if isinstance(event, TokenEvent):
                 exchange.completion_tokens += 1
-                logprobs = {"content": [chat_logprob(service, event)]} if common.sampling.logprobs else None
-                if event.text or logprobs:
-                    yield sse({**chunk, "choices": [{"index": index, "delta": {"content": event.text},
-                                                      "logprobs": logprobs, "finish_reason": None}]})
+                choice = token(index, event)
+                if choice is not None:
+                    yield sse({**head, "choices": [choice]})
             elif isinstance(event, Finished):
                 exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
-                delta = {"content": event.text} if event.text else {}
-                reason = "length" if event.reason == "length" else "stop"
-                yield sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+                yield sse({**head, "choices": [finish(index, event)]})
             elif isinstance(event, Failed):
                 raise errors.from_engine(event.error)
         if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
-                                                              exchange.cached_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
+                                                             exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
         exchange.status = error.status  # the stream's status as the log line reports it
@@ -153,6 +170,10 @@ async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncI
         yield "data: [DONE]\n\n"
     finally:
         await close_all(streams)
+
+
+def finish_reason(event: Finished) -> str:
+    return "length" if event.reason == "length" else "stop"
 
 
 def sse(payload: dict) -> str:
@@ -241,38 +262,25 @@ async def completions(service: Service, body: dict, exchange: Exchange):
             "usage": usage(exchange.prompt_tokens, exchange.completion_tokens, cached)}
 
 
-async def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
-    chunk = {**head, "object": "text_completion"}
+def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
     offsets = list(starts)  # where each choice's next token starts
-    try:
-        for index, text in enumerate(echoes):
-            if text:
-                yield sse({**chunk, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]})
-        async for index, event in events(streams, deadline, exchange.timing):
-            if isinstance(event, TokenEvent):
-                exchange.completion_tokens += 1
-                logprobs = None
-                if common.sampling.logprobs:
-                    text = token_text(service, event.token)
-                    logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
-                                "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
-                                "text_offset": [offsets[index]]}
-                    offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
-                if event.text or logprobs:
-                    yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}]})
-            elif isinstance(event, Finished):
-                exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
-                reason = "length" if event.reason == "length" else "stop"
-                yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}]})
-            elif isinstance(event, Failed):
-                raise errors.from_engine(event.error)
-        if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
-                                                              exchange.cached_tokens)})
-        yield "data: [DONE]\n\n"
-    except errors.ApiError as error:
-        exchange.status = error.status  # the stream's status as the log line reports it
-        yield sse(error.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        await close_all(streams)
+    opening = [{"index": index, "text": text, "logprobs": None, "finish_reason": None}
+               for index, text in enumerate(echoes) if text]
+
+    def token(index: int, event: TokenEvent) -> dict | None:
+        logprobs = None
+        if common.sampling.logprobs:
+            text = token_text(service, event.token)
+            logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
+                        "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
+                        "text_offset": [offsets[index]]}
+            offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
+        if not (event.text or logprobs):
+            return None
+        return {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+
+    def finish(index: int, event: Finished) -> dict:
+        return {"index": index, "text": event.text, "logprobs": None, "finish_reason": finish_reason(event)}
+
+    return stream_body(streams, common, {**head, "object": "text_completion"}, deadline, exchange, opening, token,
+                       finish)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..core.lane_core import LaneCore
+from ..core.metered import PassTimes
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
 from .protocol import ServerLimits
@@ -62,6 +63,7 @@ class Service:
     followers: object = None  # rank 0's Followers when there are ranks above 0
     decision_timeout: float = 30.0
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
+    pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
@@ -70,10 +72,9 @@ class Service:
         self.open_requests = OpenRequests(self.max_open)
         self.created = int(time.time())  # when this server started serving its model (/v1/models)
         if self.metrics is None:
-            cache = self.core.cache
             self.metrics = Metrics(self.model_name, self.core.statistics,
-                                   cache.statistics if cache is not None else (lambda: None),
-                                   lambda: (self.tp, self.followers.statistics() if self.followers else None))
+                                   lambda: (self.tp, self.followers.statistics() if self.followers else None),
+                                   self.pass_times)
 
     @property
     def limits(self) -> ServerLimits:
@@ -88,8 +89,7 @@ class Service:
 
     def context_room(self) -> int:
         """The most tokens a stream may span: the model's length, or the whole KV pool if that is less."""
-        pool = self.core.pool
-        return min(self.core.max_model_len, pool.total * pool.block_size)
+        return self.core.context_room
 
     def info(self) -> dict:
         stats = self.core.statistics()
@@ -115,7 +115,7 @@ class Service:
                 "send_timeout": self.send_timeout,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
-            "prompt_cache": self._cache_info(),
+            "prompt_cache": self._cache_info(stats.cache),
             "tool_system": self.tool_system is not None,
             "followers": self._followers_info(),
         }
@@ -133,9 +133,9 @@ class Service:
         f = self.followers.statistics()
         return {"world": f.world, "state": f.state, "plans": f.plans, "heartbeats": f.heartbeats}
 
-    def _cache_info(self) -> dict | None:
-        if self.core.cache is None:
+    @staticmethod
+    def _cache_info(c) -> dict | None:
+        if c is None:
             return None
-        c = self.core.cache.statistics()
         return {"held_bytes": c.held_bytes, "budget_bytes": c.budget_bytes, "entries": c.entries, "hits": c.hits,
                 "misses": c.misses}

@@ -10,6 +10,7 @@ import trio
 
 from .core.lane_core import LaneCore
 from .families.weights import Shard
+from .core.metered import MeteredBackend
 from .followers import Followers, FollowersBackend
 from .gpu.ranks import RankSpec, join, leave, startup_barrier
 from .launch import device_of, follower_main, kv_blocks, launched_followers, model_length, rank_spec
@@ -70,6 +71,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                            graphs=not args.no_graphs, capture=spec is None)
     if followers is not None:
         backend = FollowersBackend(backend, followers)
+    backend = MeteredBackend(backend)  # pass times for /metrics
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     shape = backend.shape
     cache_bytes = shape.blocks * shape.bytes_per_block // 2 if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
@@ -91,7 +93,8 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
                    body_timeout=args.body_timeout, send_timeout=args.send_timeout, idle_timeout=args.keep_alive_timeout,
                    send_buffer=args.send_buffer, tp=spec.world if spec else 1, followers=followers,
-                   vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None)
+                   vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
+                   pass_times=backend.statistics)
 
 
 def vision_inputs(model, args: argparse.Namespace):

@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from ..core.sampling import RowSampling, SamplingParams
-from ..gpu.transfer import to_host
 from .penalties import PenaltyState, penalise
 
 NEG_INF = float("-inf")
@@ -176,11 +175,6 @@ def race(scores: Tensor, keys: Tensor) -> Tensor:
     Float64 noise keeps near-ties from depending on how a kernel rounds a row."""
     exponential = -torch.log(uniforms(keys, scores.shape[1]))  # [S, V] float64, > 0
     return (scores.double() - torch.log(exponential)).argmax(dim=-1)
-
-
-def read_back(sampled: Sampled, rows: Sequence[RowSampling]) -> HostSampled:
-    """What the host needs from a pass's draws, through one device-to-host copy: the pass's one host sync."""
-    return on_host(Sampled(*to_host([sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs])), rows)
 
 
 def on_host(sampled: Sampled, rows: Sequence[RowSampling]) -> HostSampled:

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from ..core.backend import BackendShape
-from ..core.plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
-from ..core.sampling import RowSampling, SamplingParams, plain_greedy
+from ..core.plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs, accepted
+from ..core.sampling import RowSampling, SamplingParams
 from ..core.stops import TextAssembler
 from ..gpu.device import CpuRunner, CudaRunner
 from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled, greedy_draw
@@ -100,23 +100,18 @@ class TorchBackend:
             self._queued = following, self.launch(following)
         return pending
 
-    def run_pass(self, plan: Plan) -> PassResult:
-        """The pass itself, on the caller's thread (and stream): launched, waited for, read back."""
-        return self.launch(plan).result()
-
     @torch.inference_mode()
     def launch(self, plan: Plan) -> "_Pending":
         """Put the pass on the current stream: forward, sample, and the read-back of its results."""
         if plan.fed and not self._shape.feeds:
             raise ValueError("this backend cannot run fed plans")
+        self.penalties.flush()  # the lanes bound and freed since the last pass, written on this pass's stream
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
             read = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
             self._last_rows = {p.lane: row for row, p in enumerate(read)}
-        # A fed plan's rows are plain greedy draws (`schedule.fed_after` checked the first of its chain).
-        if plan.fed or (all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and
-                        plain_greedy([w.sample for w in plan.work])):
+        if plan.plain:  # the planner's choice: every row a plain greedy draw
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
         return _Pending(self._general_result(plan, logits))
 
@@ -127,7 +122,13 @@ class TorchBackend:
         offset = 0
         for work in plan.work:
             n = work.piece.logit_rows
-            if work.sample is not None:
+            if work.draft:  # a draw at every row of the piece, each keyed by its own step
+                if work.sample.params.needs_penalties:
+                    raise ValueError("drafted rows with penalties are not supported")  # the drafter never proposes them
+                sample = work.sample
+                draw_rows.extend(range(offset, offset + n))
+                rows.extend(RowSampling(sample.lane, sample.params, sample.step + i) for i in range(n))
+            elif work.sample is not None:
                 draw_rows.append(offset + n - 1)
                 rows.append(work.sample)
             if work.labels:
@@ -159,9 +160,13 @@ class TorchBackend:
             if work.sample is None:
                 sampled.append(None)
                 continue
+            n = len(work.piece.tokens) if work.draft else 1
+            kept = accepted(work.draft, drawn_host.tokens[i : i + n]) if work.draft else 1
             wants = work.sample.params.logprobs
-            sampled.append(Sampled(drawn_host.tokens[i], drawn_host.logprobs[i] if wants else None, tuple(drawn_host.top[i])))
-            i += 1
+            sampled.append(Sampled(tuple(drawn_host.tokens[i : i + kept]),
+                                   tuple(drawn_host.logprobs[i : i + kept]) if wants else (None,) * kept,
+                                   tuple(tuple(top) for top in drawn_host.top[i : i + kept])))
+            i += n
         return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
 
     def _greedy_result(self, plan: Plan, drawn: torch.Tensor) -> "_Pending":
@@ -245,11 +250,15 @@ class _Pending:
         return self.read()
 
 
+_NO_TOP = ((),)
+
+
 def _greedy_sampled(plan: Plan, drawn: np.ndarray) -> PassResult:
     """`drawn`: a pass's greedy draws [2, R] float64, flat (ids are exact in float64)."""
     rows = len(plan.work)
     tokens, logprobs = drawn[:rows].astype(np.int64).tolist(), drawn[rows : 2 * rows].tolist()
-    sampled = tuple(Sampled(t, lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
+    sampled = tuple(Sampled((t,), (lp if w.sample.params.logprobs else None,), _NO_TOP)
+                    for w, t, lp in zip(plan.work, tokens, logprobs))
     return PassResult(sampled, (None,) * rows)
 
 

@@ -8,13 +8,14 @@ equals solo" is a real check of the lane core's bookkeeping.
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import trio
 
 from .backend import BackendShape
-from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
+from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs, accepted
 from .sampling import SamplingParams
 from .stops import StopStrings
 
@@ -92,7 +93,7 @@ class FakeBackend:
 
     def _run(self, plan: Plan, drawn: dict[int, int] | None = None) -> PassResult:
         """Write the plan's tokens into their slots and draw from each lane's context; a fed plan's tokens
-        are `drawn`, by lane."""
+        are `drawn`, by lane. A drafted piece draws at every row and keeps the prefix its draws confirm."""
         sampled, logprobs, reads = [], [], []
         for work in plan.work:
             piece = work.piece
@@ -100,7 +101,15 @@ class FakeBackend:
             for offset, token in enumerate(tokens):
                 self.slots[self._slot(piece.blocks, piece.start + offset)] = token
             context = [self.slots[self._slot(piece.blocks, p)] for p in range(piece.end)]
-            sampled.append(self._draw(context, work) if work.sample else None)
+            if work.sample is None:
+                sampled.append(None)
+            elif work.draft:
+                rows = [self._draw(context[: piece.start + i + 1], work, i) for i in range(len(piece.tokens))]
+                kept = rows[: accepted(work.draft, [token for token, _, _ in rows])]
+                sampled.append(Sampled(*(tuple(column) for column in zip(*kept))))
+            else:
+                token, logprob, top = self._draw(context, work)
+                sampled.append(Sampled((token,), (logprob,), (top,)))
             logprobs.append(self._target_logprobs(context, work) if work.targets else None)
             reads.append(self._read(context, work.labels) if work.labels else None)
         return PassResult(tuple(sampled), tuple(logprobs), tuple(reads))
@@ -115,14 +124,16 @@ class FakeBackend:
             raise AssertionError(f"block {block} is outside the pool")
         return block * self.block_size + position % self.block_size
 
-    def _draw(self, context: list[int], work) -> Sampled:
-        params, step = work.sample.params, work.sample.step
+    def _draw(self, context: list[int], work, row: int = 0) -> tuple[int, float | None, tuple]:
+        """The token a context draws (its `row`-th in the piece: the draw keyed by that step), its logprob
+        and its top alternatives."""
+        params, step = work.sample.params, work.sample.step + row
         salt = (0, 0) if params.greedy else (params.seed, step)
         token = _mix(*context, *salt) % self.vocab
         while step < params.min_tokens and token in params.min_tokens_stops:  # masked, as the sampler masks them
             token = (token + 1) % self.vocab
         top = tuple((t, -0.1 * (i + 1)) for i, t in enumerate(range(params.top_logprobs)))
-        return Sampled(token, -0.25 if params.logprobs else None, top)
+        return token, -0.25 if params.logprobs else None, top
 
     def _target_logprobs(self, context: list[int], work) -> TargetLogprobs:
         start = work.piece.start
@@ -152,3 +163,27 @@ class FakeText:
 
 def fake_text(prompt: Sequence[int], sampling: SamplingParams) -> FakeText:
     return FakeText(sampling.stop, sampling.min_tokens, sampling.include_stop_str_in_output)
+
+
+class FakeDrafter:
+    """A drafter for the fake backend, which it knows: it proposes what the fake would draw, each token made
+    wrong with probability `wrong` (seeded), so drafts come some right and some wrong (tests, the fuzzer)."""
+
+    def __init__(self, vocab: int, wrong: float = 0.3, most: int = 4, seed: int = 0) -> None:
+        self.vocab, self.wrong, self.most = vocab, wrong, most
+        self._rng = random.Random(seed)
+
+    def propose(self, job, most: int) -> tuple[int, ...]:
+        params, step = job.sampling, len(job.generated)
+        context = [*job.prompt, *job.generated]  # what the lane's KV holds once its pending token is written
+        draft = []
+        for i in range(min(self.most, most)):
+            salt = (0, 0) if params.greedy else (params.seed, step + i)
+            token = _mix(*context, *salt) % self.vocab
+            while step + i < params.min_tokens and token in params.min_tokens_stops:
+                token = (token + 1) % self.vocab
+            if self._rng.random() < self.wrong:
+                token = (token + 1 + self._rng.randrange(self.vocab - 1)) % self.vocab
+            draft.append(token)
+            context.append(token)
+        return tuple(draft)
