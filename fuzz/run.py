@@ -137,11 +137,12 @@ def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tupl
         backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds, fail_at=fail_at,
                               feeds=scn.seed % 2 == 0)
     # Solo runs draft nothing: every stream of a drafting scenario must get exactly its undrafted tokens.
-    drafter = None if solo or scn.draft_wrong is None else FakeDrafter(backend.shape.vocab_size, scn.draft_wrong,
-                                                                       seed=scn.seed)
+    drafts = None if solo or scn.draft_wrong is None else FakeDrafter(backend.shape.vocab_size, scn.draft_wrong,
+                                                                      seed=scn.seed)
     core = fuzz_core(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
                      max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
-                     restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed, drafter=drafter)
+                     restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed, drafts=drafts,
+                     draft_control=False)  # virtual time: the lengths may not depend on the machine's clock
     return core, backend
 
 

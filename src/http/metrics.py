@@ -94,6 +94,15 @@ class _CoreCollector:
                           float(followers.state == "up"))
             yield _family(CounterMetricFamily, "lanes_follower_plans", "Plans broadcast to the followers.", name_,
                           followers.plans)
+        drafts = stats.drafts
+        if drafts is not None:
+            yield _family(CounterMetricFamily, "lanes_draft_tokens", "Draft tokens proposed in passes.", name_, drafts.drafted)
+            yield _family(CounterMetricFamily, "lanes_draft_accepted_tokens", "Draft tokens accepted.", name_,
+                          drafts.accepted)
+            yield _family(CounterMetricFamily, "lanes_drafted_pieces", "Lanes' drafts verified (one a lane a pass).",
+                          name_, drafts.pieces)
+            yield _family(GaugeMetricFamily, "lanes_draft_mean_accepted_length", "Draft tokens accepted a drafted piece.",
+                          name_, drafts.mean_accepted)
         cache = stats.cache
         if cache is not None:
             for name, doc, value in (

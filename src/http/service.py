@@ -64,6 +64,7 @@ class Service:
     decision_timeout: float = 30.0
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
     pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
+    draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
@@ -116,6 +117,7 @@ class Service:
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "prompt_cache": self._cache_info(stats.cache),
+            "drafts": self._drafts_info(stats.drafts),
             "tool_system": self.tool_system is not None,
             "followers": self._followers_info(),
         }
@@ -132,6 +134,12 @@ class Service:
             return None
         f = self.followers.statistics()
         return {"world": f.world, "state": f.state, "plans": f.plans, "heartbeats": f.heartbeats}
+
+    def _drafts_info(self, d) -> dict | None:
+        if d is None:
+            return None
+        return {"method": self.draft_method, "drafted": d.drafted, "accepted": d.accepted, "pieces": d.pieces,
+                "mean_accepted_length": d.mean_accepted}
 
     @staticmethod
     def _cache_info(c) -> dict | None:

@@ -42,7 +42,8 @@ class HostSampled:
     top: list[list[tuple[int, float]]]
 
 
-def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None) -> Tensor:
+def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None,
+            before: Sequence[tuple[int, ...]] | None = None) -> Tensor:
     """The logits each row draws from: [R, V] any float dtype -> [R, V] float32, -inf where masked.
 
     In vLLM's order: logit_bias and the min_tokens mask on the raw logits, then (as transformers orders
@@ -53,7 +54,7 @@ def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState
     scores = logits.float()
     if len(rows) != scores.shape[0]:
         raise ValueError(f"{len(rows)} rows for {scores.shape[0]} logits rows")
-    scores = penalise(_adjust(scores, rows), rows, penalties)
+    scores = penalise(_adjust(scores, rows), rows, penalties, before)
     vocab, device = scores.shape[1], scores.device
     # Neutral values where a filter is off, so one batched op serves every row.
     floats = [(1.0, -1.0, 0.0) if row.params.greedy else _warp(row.params) for row in rows]
@@ -114,7 +115,8 @@ def _top_k_top_p(scores: Tensor, kth_position: Tensor, top_p_floor: Tensor) -> T
     return scores.masked_fill(cut.scatter(1, order, cut), NEG_INF)
 
 
-def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None) -> Sampled:
+def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None,
+           before: Sequence[tuple[int, ...]] | None = None) -> Sampled:
     """Every row's next token. logits: [R, V] any float dtype, on the device; no host sync.
 
     Greedy rows take the argmax of the penalised logits. Other rows draw by the exponential race over
@@ -122,7 +124,7 @@ def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState 
     token in any batch, in any row order, on every call. Non-greedy rows need a seed (`with_seed`).
     """
     raw = logits.float()  # [R, V] float32
-    scores = process(raw, rows, penalties)
+    scores = process(raw, rows, penalties, before)
     tokens = scores.argmax(dim=-1)  # [R] int64; greedy rows keep these
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:

@@ -110,8 +110,10 @@ class PenaltyState:
         assert bool((self._counts >= 0).all()), "a negative output count"
 
 
-def penalise(scores: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None) -> Tensor:
-    """scores: [R, V] float32 -> the same with the penalties of the rows that use them."""
+def penalise(scores: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None,
+             before: Sequence[tuple[int, ...]] | None = None) -> Tensor:
+    """scores: [R, V] float32 -> the same with the penalties of the rows that use them. `before[r]`: tokens
+    row r's lane has produced in this pass before it (a draft's, ahead of its later rows), counted too."""
     picked = [i for i, row in enumerate(rows) if row.params.needs_penalties]
     if not picked:
         return scores
@@ -126,6 +128,11 @@ def penalise(scores: Tensor, rows: Sequence[RowSampling], penalties: PenaltyStat
     table = torch.tensor(values, dtype=torch.float32, device=device)  # [P, 3]
     repetition, frequency, presence = table[:, 0:1], table[:, 1:2], table[:, 2:3]  # each [P, 1]
     counts = penalties.counts(lanes)  # [P, V] int32
+    if before is not None and any(before[i] for i in picked):
+        at = [(j, token) for j, i in enumerate(picked) for token in before[i]]
+        rows_at = torch.tensor([j for j, _ in at], dtype=torch.int64, device=device)
+        tokens_at = torch.tensor([t for _, t in at], dtype=torch.int64, device=device)
+        counts = counts.index_put((rows_at, tokens_at), torch.ones_like(rows_at, dtype=counts.dtype), accumulate=True)
     produced = counts > 0
     sub = scores.index_select(0, index)  # [P, V] float32
     # transformers' RepetitionPenaltyLogitsProcessor: shrink positive logits, push negative ones down.

@@ -119,18 +119,20 @@ class TorchBackend:
         """Queue the pass's sampling and reads on the device; returns what reads them back (one sync)."""
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
+        before, drafts = [], []  # each draw's tokens ahead of it in its draft; (first draw, draft) a drafted work
         offset = 0
         for work in plan.work:
             n = work.piece.logit_rows
             if work.draft:  # a draw at every row of the piece, each keyed by its own step
-                if work.sample.params.needs_penalties:
-                    raise ValueError("drafted rows with penalties are not supported")  # the drafter never proposes them
                 sample = work.sample
+                drafts.append((len(rows), work.draft))
                 draw_rows.extend(range(offset, offset + n))
                 rows.extend(RowSampling(sample.lane, sample.params, sample.step + i) for i in range(n))
+                before.extend(work.draft[:i] for i in range(n))
             elif work.sample is not None:
                 draw_rows.append(offset + n - 1)
                 rows.append(work.sample)
+                before.append(())
             if work.labels:
                 read_rows.extend([offset + n - 1] * len(work.labels))
                 labels.extend(work.labels)
@@ -139,7 +141,7 @@ class TorchBackend:
             offset += n
         on_device = []
         if rows:
-            drawn = self._draw(logits, draw_rows, rows, device)
+            drawn = self._draw(logits, draw_rows, rows, device, before if drafts else None, drafts)
             on_device += [drawn.tokens, drawn.logprobs, drawn.top_ids, drawn.top_logprobs]
         if targets:
             index = torch.tensor(target_rows, dtype=torch.int64, device=device)
@@ -199,13 +201,21 @@ class TorchBackend:
             at += n
         return out
 
-    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device) -> SampledTensors:
+    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device,
+              before=None, drafts=()) -> SampledTensors:
+        """The rows' draws; each drafted row counts the draft tokens ahead of it among its lane's output, and
+        only a draft's accepted draws are recorded in its lane's history (decided on the device)."""
         picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]
         penalised = any(r.params.needs_penalties for r in rows)
-        out = sample(picked, rows, self.penalties if penalised else None)
+        out = sample(picked, rows, self.penalties if penalised else None, before)
         if penalised:
             lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
-            self.penalties.record(lanes, out.tokens)
+            kept = torch.ones(len(rows), dtype=torch.bool, device=device)  # [S]
+            for first, draft in drafts:
+                k = len(draft)
+                agree = out.tokens[first : first + k] == torch.tensor(draft, dtype=torch.int64, device=device)
+                kept[first + 1 : first + 1 + k] = torch.cumprod(agree.to(torch.int64), 0).bool()
+            self.penalties.record(lanes[kept], out.tokens[kept])
         return out
 
     @staticmethod

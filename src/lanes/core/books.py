@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .blocks import BlockPool, IntegrityError
 from .job import Phase
+from .drafting import DraftStats
 from .prompt_cache import CacheStats, PromptCache
 
 
@@ -32,9 +33,10 @@ class CoreStats:
     context_room: int  # the most tokens a stream may span (the model's length, or the KV pool's)
     jobs_held: int  # streams, warm passes and decision prefills the engine holds (queued or in lanes)
     cache: CacheStats | None = None  # the prompt cache's, when there is one
+    drafts: DraftStats | None = None  # drafting's, when the lane core drafts
 
 
-def statistics(core, lanes, admission, delivery, passes) -> CoreStats:
+def statistics(core, lanes, admission, delivery, passes, drafting) -> CoreStats:
     """The lane core's counters and occupancy."""
     slots = lanes.slots
     busy = sum(job is not None for job in slots)
@@ -45,7 +47,9 @@ def statistics(core, lanes, admission, delivery, passes) -> CoreStats:
         prefill_rows=passes.prefill_rows, decode_rows=passes.decode_rows, tokens_out=delivery.tokens_out,
         streams_admitted=admission.admitted, streams_finished=lanes.finished,
         streams_cancelled=lanes.ended + core.withdrawn, blocks_total=pool.total, blocks_free=pool.free,
-        context_room=core.context_room, jobs_held=len(admission.jobs), cache=core.cache.statistics() if core.cache is not None else None,
+        context_room=core.context_room, jobs_held=len(admission.jobs),
+        cache=core.cache.statistics() if core.cache is not None else None,
+        drafts=drafting.statistics() if drafting is not None else None,
     )
 
 

@@ -166,18 +166,18 @@ def fake_text(prompt: Sequence[int], sampling: SamplingParams) -> FakeText:
 
 
 class FakeDrafter:
-    """A drafter for the fake backend, which it knows: it proposes what the fake would draw, each token made
-    wrong with probability `wrong` (seeded), so drafts come some right and some wrong (tests, the fuzzer)."""
+    """A draft source for the fake backend, which it knows: it proposes what the fake would draw, each token
+    made wrong with probability `wrong` (seeded), so drafts come some right and some wrong (tests, fuzzer)."""
 
-    def __init__(self, vocab: int, wrong: float = 0.3, most: int = 4, seed: int = 0) -> None:
-        self.vocab, self.wrong, self.most = vocab, wrong, most
+    def __init__(self, vocab: int, wrong: float = 0.3, seed: int = 0) -> None:
+        self.vocab, self.wrong = vocab, wrong
         self._rng = random.Random(seed)
 
     def propose(self, job, most: int) -> tuple[int, ...]:
         params, step = job.sampling, len(job.generated)
         context = [*job.prompt, *job.generated]  # what the lane's KV holds once its pending token is written
         draft = []
-        for i in range(min(self.most, most)):
+        for i in range(most):
             salt = (0, 0) if params.greedy else (params.seed, step + i)
             token = _mix(*context, *salt) % self.vocab
             while step + i < params.min_tokens and token in params.min_tokens_stops:
@@ -187,3 +187,6 @@ class FakeDrafter:
             draft.append(token)
             context.append(token)
         return tuple(draft)
+
+    def forget(self, job) -> None:
+        pass

@@ -24,6 +24,7 @@ from .books import CoreStats
 from .commands import Cancel, CancelDecision, Decide, Reply, Resume, Shutdown, Submit, Warm, WarmResult
 from .decider import DecisionRequest, DecisionResult
 from .delivery import Delivery
+from .drafting import DraftSource, Drafting
 from .job import Job, Phase
 from .lanes import LaneTable
 from .media import check_media
@@ -42,7 +43,8 @@ class LaneCore:
     def __init__(self, backend: Backend, text: TextFactory, stop_ids: Sequence[int], *, max_rows: int = 256,
                  max_queue: int = 64, lanes: int | None = None, seeds: Callable[[], int] | None = None,
                  cache_bytes: int = 0, max_decisions: int = 64, decisions_idle_only: bool = False,
-                 run_ahead: bool = True, stream_buffer: int = 256, drafter: planner.Drafter | None = None,
+                 run_ahead: bool = True, stream_buffer: int = 256, drafts: DraftSource | None = None,
+                 draft_tokens: int = 4, draft_control: bool = True,
                  restore_fault: Callable[[], bool] | None = None) -> None:
         shape = backend.shape
         self.backend = backend
@@ -53,8 +55,10 @@ class LaneCore:
         self._delivery = Delivery(self._lanes, stream_buffer, self._send_resume, self.cancel)
         self._admission = Admission(self._lanes, self.pool, self.cache, self._delivery.answer, max_queue,
                                     max_decisions, decisions_idle_only, restore_fault)
+        # Drafting (docs/DECISIONS.md): a source of drafts, up to `draft_tokens` a lane, lengths by load.
+        self._drafting = Drafting(drafts, draft_tokens, draft_control) if drafts is not None else None
         self._passes = PassLoop(self._lanes, self._admission, self._delivery, backend,
-                                planner.Limits(max_rows=max_rows), run_ahead, drafter)
+                                planner.Limits(max_rows=max_rows), run_ahead, self._drafting)
         self.max_model_len = shape.max_model_len
         self._text = text
         self._stop_ids = frozenset(stop_ids)
@@ -303,7 +307,7 @@ class LaneCore:
 
     def statistics(self) -> CoreStats:
         """A snapshot for /metrics and /v1/info."""
-        return books.statistics(self, self._lanes, self._admission, self._delivery, self._passes)
+        return books.statistics(self, self._lanes, self._admission, self._delivery, self._passes, self._drafting)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless lanes, queue, jobs, the prompt cache and the block pool agree."""

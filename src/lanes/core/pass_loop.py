@@ -9,6 +9,7 @@ pass, while the device runs it; where the backend feeds, a fed pass is queued be
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import trio
@@ -17,10 +18,14 @@ from . import planner
 from .admission import Admission
 from .backend import Backend
 from .delivery import Delivery
+from .drafting import Drafting
 from .job import Job, Phase
 from .lanes import LaneTable
 from .plan import PassResult, Plan
 from .stream import BackendFailed, EngineError, Failed, Finished
+
+
+REFRESH = 16  # with a drafter, at most this many passes in a row planned ahead of their results
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,13 @@ class InFlight:
 
 class PassLoop:
     def __init__(self, lanes: LaneTable, admission: Admission, delivery: Delivery, backend: Backend,
-                 limits: planner.Limits, run_ahead: bool = True, drafter: planner.Drafter | None = None) -> None:
+                 limits: planner.Limits, run_ahead: bool = True, drafting: Drafting | None = None) -> None:
         self._lanes, self._admission, self._delivery, self._backend = lanes, admission, delivery, backend
-        self.limits, self._run_ahead, self._drafter = limits, run_ahead, drafter
+        self.limits, self._run_ahead, self._drafting = limits, run_ahead, drafting
         self._feeds = backend.shape.feeds  # the device can queue a decode pass fed by the draws of the one before
         self._cached = admission.caches
         self._step = 0
+        self._planned_ahead = 0  # passes in a row planned ahead (with a drafter: a fresh one every REFRESH)
         self.closing = False  # set by `close`: admit nothing new, end once the lanes are empty
         self._wake = trio.Event()  # set by the lane core's mailbox and timers: something to look at
         self.passes = self.prefill_rows = self.decode_rows = 0
@@ -60,20 +66,26 @@ class PassLoop:
                 if self.closing and not any(self._lanes.slots) and not self._admission.queue and not self._admission.warm:
                     return None
                 by_lane = {job.lane: job for job in self._lanes.jobs()}
-                plan = planner.plan(self._step, by_lane, self.limits, drafter=self._drafter)
+                drafting = self._drafting
+                if drafting is not None:
+                    await drafting.begin([j for j in by_lane.values() if j.phase is Phase.DECODE and j.live])
+                plan = planner.plan(self._step, by_lane, self.limits, drafter=drafting)
                 if not plan.work:
                     self._wake = trio.Event()
                     await self._wake.wait()
                     continue
                 self._step += 1
                 queued = self._fed(((plan, None),), by_lane)
+                started = time.perf_counter()
                 try:
                     flight = InFlight(plan, by_lane, await self._run(plan, following=queued), queued)
                 except Exception as error:
                     return self._failed(error)
+                if drafting is not None and queued is None:  # a pass on its own: its cost is its rows'
+                    drafting.passed(plan.rows, time.perf_counter() - started)
             plan, by_lane, result, following = flight.plan, flight.by_lane, flight.result, flight.queued
             flight = None
-            if following is None and plan.ahead and self._steady():
+            if following is None and plan.ahead and self._steady() and self._ahead_allowed():
                 following = self._planned(planner.plan(self._step, by_lane, self.limits, after=((plan, result),)))
             if following is None:
                 self._settle(plan, result, by_lane)
@@ -93,6 +105,13 @@ class PassLoop:
     async def _run(self, plan: Plan, started=None, following: Plan | None = None) -> PassResult:
         with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
             return await self._backend.step(plan, started, following)
+
+    def _ahead_allowed(self) -> bool:
+        """With a drafter, every REFRESH-th pass is planned afresh, so its load control can draft again."""
+        if self._drafting is None:
+            return True
+        self._planned_ahead = (self._planned_ahead + 1) % REFRESH
+        return self._planned_ahead != 0
 
     def _planned(self, plan: Plan) -> Plan | None:
         if not plan.work:
@@ -133,6 +152,10 @@ class PassLoop:
         self.prefill_rows += plan.prefill_rows
         self.decode_rows += plan.decode_rows
         events = self._lanes.apply(plan, result, by_lane)
+        if plan.drafted:
+            for work, sampled in zip(plan.work, result.sampled):
+                if work.draft:
+                    self._drafting.observe(by_lane[work.piece.lane], len(work.draft), len(sampled.tokens) - 1)
         admission = self._admission
         for job in by_lane.values() if self._cached else ():  # only the prompt cache restores
             if job.done > job.cached and admission.restoring(job):
@@ -168,6 +191,8 @@ class PassLoop:
         elif job.outcome is None:
             self._delivery.answer(job, Finished("cancelled", prompt_tokens=len(job.prompt),
                                                 completion_tokens=len(job.generated), cached_tokens=job.cached))
+        if job.kind == "stream" and self._drafting is not None:
+            self._drafting.ended(job)
         self._lanes.unbind(lane)
         admission.forget(job)
 

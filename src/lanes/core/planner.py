@@ -26,6 +26,10 @@ _UNKNOWN = object()  # a lane that an older pass in flight had no row for
 
 
 class Drafter(Protocol):
+    def plan(self, jobs: Sequence[Job]) -> dict[int, int]:
+        """Each decoding job's draft length for the next pass, by job id."""
+        ...
+
     def propose(self, job: Job, most: int) -> tuple[int, ...]:
         """Up to `most` tokens that may follow `job.pending` (none: the row goes undrafted)."""
         ...
@@ -47,6 +51,7 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
     budget = limits.max_rows
     plain = ahead = True
     drafted = 0
+    lengths = drafter.plan([j for j in jobs.values() if j.phase is Phase.DECODE and j.live]) if drafter else None
     for job in jobs.values():
         if not job.live:
             continue
@@ -56,7 +61,8 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
             params = job.sampling
             generated = len(job.generated)
             ahead = ahead and (params.plain or not params.needs_penalties)  # a plain draw reads no penalty
-            draft = drafter.propose(job, job.max_new - generated - 1) if drafter is not None else ()
+            most = min(lengths.get(job.id, 0), job.max_new - generated - 1) if lengths is not None else 0
+            draft = drafter.propose(job, most) if most > 0 else ()
             if draft:
                 piece = Piece(job.lane, (job.pending, *draft), job.done, tuple(job.table.blocks), "all")
                 drafted += len(draft)
@@ -72,9 +78,10 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
             work = _prompt_work(job, take)
             plain = plain and work.sample is not None and work.sample.params.plain and not work.targets
             prefill.append(work)
-    # A drafting lane core plans each pass afresh: a pass planned ahead could not carry drafts.
+    # Where a lane may draft, the pass after is planned afresh: a pass planned ahead carries no draft.
+    wanted = lengths is not None and any(lengths.values())
     return Plan(step=step, work=tuple(prefill + decode), prefills=len(prefill), plain=plain,
-                ahead=ahead and not prefill and drafter is None, drafted=drafted)
+                ahead=ahead and not prefill and not wanted, drafted=drafted)
 
 
 def _after(step: int, jobs: Mapping[int, Job], after: Sequence[tuple[Plan, PassResult | None]]) -> Plan:
