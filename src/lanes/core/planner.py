@@ -56,6 +56,7 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
             params = job.sampling
             generated = len(job.generated)
             ahead = ahead and (params.plain or not params.needs_penalties)  # a plain draw reads no penalty
+            ahead = ahead and params.grammar is None  # its mask needs the matcher advanced by this pass
             draft = drafter.propose(job, job.max_new - generated - 1) if drafter is not None else ()
             if draft:
                 piece = Piece(job.lane, (job.pending, *draft), job.done, tuple(job.table.blocks), "all")
