@@ -8,6 +8,7 @@ this module holds the bookkeeping both share, so drafts are masked and rolled ba
 from __future__ import annotations
 
 import concurrent.futures
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -70,7 +71,7 @@ class LaneGrammars:
         self._make = make
         self._matchers: dict[int, Matcher] = {}
         self._bound: set[int] = set()
-        self._writes: list[tuple[int, Grammar | None]] = []
+        self._writes: deque[tuple[int, Grammar | None]] = deque()  # appended on the event loop, taken in a pass
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # masks beside a pass's forward
 
     def is_bound(self, lane: int) -> bool:
@@ -92,12 +93,13 @@ class LaneGrammars:
 
     def flush(self) -> None:
         """The matchers of every bind and unbind since the last flush, in order."""
-        for lane, grammar in self._writes:
+        writes = self._writes
+        while writes:
+            lane, grammar = writes.popleft()
             if grammar is None:
                 self._matchers.pop(lane, None)
             else:
                 self._matchers[lane] = self._make(grammar)
-        self._writes.clear()
 
     def wanted(self, work: Sequence[Work]) -> bool:
         """Whether any drawn row of `work` is a constrained lane's."""
