@@ -33,11 +33,33 @@ class GrammarRefused(ValueError):
 
 def json_schema(schema: Any, lenient: bool = False) -> str:
     """llguidance's grammar for a JSON schema (a dict, or True for any JSON value)."""
-    return llg.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_OPTIONS, "lenient": lenient})
+    return llg.LLMatcher.grammar_from_json_schema(bounded(schema), overrides={**JSON_OPTIONS, "lenient": lenient})
+
+
+SAFE_INTEGERS = (-(2**53 - 1), 2**53 - 1)  # JSON's interoperable integers (RFC 8259 section 6)
+DATA = {"enum", "const", "default", "examples"}  # keywords whose values are instances, not schemas
+
+
+def bounded(schema: Any) -> Any:
+    """The schema with integers that have no bound held to JSON's interoperable range (+-(2**53 - 1)): a
+    greedy run cannot write digits without end (larger integers are refused; every value it allows is one the schema allows)."""
+    if isinstance(schema, list):
+        return [bounded(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in DATA else bounded(value) for key, value in schema.items()}
+    kinds = schema.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and kinds == ["integer"]):
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = SAFE_INTEGERS[0]
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = SAFE_INTEGERS[1]
+    return out
 
 
 def json_rule(schema: Any, lenient: bool = False) -> str:
     """A schema as a rule inside a Lark grammar, with the same options as `json_schema`."""
+    schema = bounded(schema)
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS, "lenient": lenient}}
     else:
