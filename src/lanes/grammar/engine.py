@@ -20,7 +20,7 @@ from ..core.grammar import Grammar, words
 # One separator spelling and no free whitespace: a constrained JSON run cannot loop on blanks, and its text
 # is json.dumps' (and chat templates' tojson) spelling, which models have seen most.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"[^\]]*\]')
 
 
 class GrammarRefused(ValueError):
@@ -136,7 +136,8 @@ class GrammarEngine:
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(source, self.tokenizer)
         if failed:
             message = messages[0] if messages else "the grammar is invalid"
-            raise GrammarRefused(" ".join(message.split()), keyword(message))
+            found = UNIMPLEMENTED.search(message)  # the keywords alone, not the grammar around them
+            raise GrammarRefused(found.group(0) if found else " ".join(message.split()), keyword(message))
         return Grammar(source, what)
 
     def matcher(self, grammar: Grammar) -> LlgMatcher:
