@@ -30,6 +30,7 @@ class Wanted:
     value: Any
     param: str
     lenient: bool = False  # a json_schema given with strict false: keywords the engine cannot enforce are skipped
+    optional: bool = False  # `tool_choice: auto`: without a grammar engine the model is left free, not refused
 
 
 def response_format(body: dict) -> Wanted | None:
@@ -144,7 +145,7 @@ def wanted_of(body: dict, tools=None, fmt=None) -> Wanted | None:
 
 async def constrained(service, common, wanted: Wanted | None, deadline: float):
     """`common` with the grammar its answer is held to, checked by the engine (a 400 if it cannot be held)."""
-    if wanted is None:
+    if wanted is None or (wanted.optional and service.grammars is None):
         return common
     grammar = await checked(service.grammars, wanted, deadline)
     sampling = dataclasses.replace(common.sampling, grammar=grammar)

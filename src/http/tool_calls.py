@@ -35,7 +35,7 @@ class ToolRequest:
             return None
         lenient = not any(t["function"].get("strict") for t in self.tools)
         source = tool_grammar.tool_grammar(fmt, self.tools, self.choice, self.parallel, lenient)
-        return Wanted("tools", source, "tools")
+        return Wanted("tools", source, "tools", optional=self.choice == "auto")
 
 
 def tool_request(body: dict, tools: list[dict] | None) -> ToolRequest:
