@@ -133,3 +133,18 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert set(dear._choose(crowd).values()) == {0}
     drafting.ended(jobs[0])
     assert drafting._choose(jobs)[0] == 6  # a new stream starts from the prior
+
+
+def test_load_control_that_drafts_nothing_still_probes_one_token_every_fourth_fresh_plan():
+    """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting."""
+    jobs = [Stream(i, (1,)) for i in range(3)]
+    drafting = Drafting(Source(), most=6)
+    for rows, seconds in [(1, 0.001), (4, 0.004), (16, 0.016)]:  # all per row, nothing fixed: no draft pays
+        drafting.passed(rows, seconds)
+    drafting.observe(jobs[1], 4, 4)  # lane 1's drafts were all kept: it is the one probed
+    plans = []
+    for _ in range(8):
+        trio.run(lambda: drafting.begin(jobs))
+        plans.append(dict(drafting.plan(jobs)))
+    assert [sum(p.values()) for p in plans] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert plans[3] == {0: 0, 1: 1, 2: 0}

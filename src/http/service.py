@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Callable
 
 from ..core.lane_core import LaneCore
 from ..core.metered import PassTimes
+from ..grammar.engine import GrammarEngine
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
 from .protocol import ServerLimits
+from ..tools.formats import ToolFormat, choose
+from ..tools.prompting import TemplateTools
+from .response_store import ResponseStore
 from .tool_system import ToolSystem
 
 if TYPE_CHECKING:
@@ -65,6 +69,8 @@ class Service:
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
     pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
     draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
+    grammars: GrammarEngine | None = None  # constrained decoding (response_format, tool choices); None refuses it
+    max_responses: int = 1024  # /v1/responses kept in memory for previous_response_id, the newest
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
@@ -72,6 +78,10 @@ class Service:
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
         self.open_requests = OpenRequests(self.max_open)
         self.created = int(time.time())  # when this server started serving its model (/v1/models)
+        template = self.tokenizer.chat_template
+        self.tool_format: ToolFormat = choose(template.source if template is not None else None)
+        self.template_tools = TemplateTools.probe(template)  # what the template renders of tools itself
+        self.responses = ResponseStore(self.max_responses)
         if self.metrics is None:
             self.metrics = Metrics(self.model_name, self.core.statistics,
                                    lambda: (self.tp, self.followers.statistics() if self.followers else None),

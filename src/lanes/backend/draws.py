@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..core.grammar import Masks
 from ..core.sampling import RowSampling, SamplingParams
 from .penalties import PenaltyState, penalise
 
@@ -43,10 +44,10 @@ class HostSampled:
 
 
 def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None,
-            before: Sequence[tuple[int, ...]] | None = None) -> Tensor:
+            before: Sequence[tuple[int, ...]] | None = None, masks: Masks | None = None) -> Tensor:
     """The logits each row draws from: [R, V] any float dtype -> [R, V] float32, -inf where masked.
 
-    In vLLM's order: logit_bias and the min_tokens mask on the raw logits, then (as transformers orders
+    In vLLM's order: logit_bias, the min_tokens mask and a grammar's mask on the raw logits, then (as transformers orders
     them) repetition penalty on prompt and output tokens, presence and frequency penalties on output
     counts, temperature, top_k, top_p, min_p. Greedy rows get the bias, mask and penalties only (no
     temperature, no filters): the sampler takes their argmax.
@@ -54,7 +55,7 @@ def process(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState
     scores = logits.float()
     if len(rows) != scores.shape[0]:
         raise ValueError(f"{len(rows)} rows for {scores.shape[0]} logits rows")
-    scores = penalise(_adjust(scores, rows), rows, penalties, before)
+    scores = penalise(_masked(_adjust(scores, rows), masks), rows, penalties, before)
     vocab, device = scores.shape[1], scores.device
     # Neutral values where a filter is off, so one batched op serves every row.
     floats = [(1.0, -1.0, 0.0) if row.params.greedy else _warp(row.params) for row in rows]
@@ -96,6 +97,19 @@ def _adjust(scores: Tensor, rows: Sequence[RowSampling]) -> Tensor:
     return scores.index_put(index, torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
 
 
+def _masked(scores: Tensor, masks: Masks | None) -> Tensor:
+    """scores: [R, V] float32 -> a copy with the tokens each masked row's grammar refuses at -inf; `scores`
+    itself without masks. The bits come from the host ([G, W] int32, bit t%32 of word t//32 for token t)."""
+    if masks is None:
+        return scores
+    device, vocab = scores.device, scores.shape[1]
+    index = torch.tensor(masks.rows, dtype=torch.int64, device=device)  # [G] rows of scores
+    bits = torch.from_numpy(masks.bits).to(device)  # [G, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(masks.rows), -1)[:, :vocab]  # [G, V]
+    return scores.index_copy(0, index, scores.index_select(0, index).masked_fill(~allowed, NEG_INF))
+
+
 def _warp(params: SamplingParams) -> tuple[float, float, float]:
     # 1 - top_p in double, then float32, as transformers compares it; -1 turns top_p off (a cumulative
     # probability of 0 would otherwise drop underflowed tokens, and transformers skips top_p = 1).
@@ -116,7 +130,7 @@ def _top_k_top_p(scores: Tensor, kth_position: Tensor, top_p_floor: Tensor) -> T
 
 
 def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState | None = None,
-           before: Sequence[tuple[int, ...]] | None = None) -> Sampled:
+           before: Sequence[tuple[int, ...]] | None = None, masks: Masks | None = None) -> Sampled:
     """Every row's next token. logits: [R, V] any float dtype, on the device; no host sync.
 
     Greedy rows take the argmax of the penalised logits. Other rows draw by the exponential race over
@@ -124,7 +138,7 @@ def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState 
     token in any batch, in any row order, on every call. Non-greedy rows need a seed (`with_seed`).
     """
     raw = logits.float()  # [R, V] float32
-    scores = process(raw, rows, penalties, before)
+    scores = process(raw, rows, penalties, before, masks)
     tokens = scores.argmax(dim=-1)  # [R] int64; greedy rows keep these
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:

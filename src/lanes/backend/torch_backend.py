@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..core.backend import BackendShape
+from ..core.grammar import Grammar, LaneGrammars, Matcher
 from ..core.plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs, accepted
 from ..core.sampling import RowSampling, SamplingParams
 from ..core.stops import TextAssembler
@@ -33,7 +34,7 @@ class TorchBackend:
     """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
 
     def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None,
-                 graphs: bool = True, capture: bool = True) -> None:
+                 graphs: bool = True, capture: bool = True, grammars: Callable[[Grammar], Matcher] | None = None) -> None:
         self.model = model
         self.decoder = model.decoder
         self.runner = runner
@@ -42,6 +43,7 @@ class TorchBackend:
         self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
                                    bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
+        self.grammars = LaneGrammars(model.config.vocab_size, grammars)  # matchers from `grammars`, if given
         self.graphs = fast_decode(model, lanes, length, graphs)
         tower = model.vision
         self.vision = VisionLanes(tower, tower.config.merge_size, model.placement.device) if tower is not None else None
@@ -62,6 +64,8 @@ class TorchBackend:
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence = ()) -> None:
         if sampling.needs_penalties:
             self.penalties.bind(lane, prompt)
+        if sampling.grammar is not None:
+            self.grammars.bind(lane, sampling.grammar)
         if media:
             if self.vision is None:
                 raise ValueError("this model has no vision tower loaded")  # the server refuses such requests before
@@ -70,10 +74,13 @@ class TorchBackend:
     def unbind(self, lane: int) -> None:
         if self.penalties.is_bound(lane):
             self.penalties.unbind(lane)
+        if self.grammars.is_bound(lane):
+            self.grammars.unbind(lane)
         if self.vision is not None:
             self.vision.unbind(lane)
 
     async def aclose(self) -> None:
+        self.grammars.close()
         self.runner.close()
 
     async def step(self, plan: Plan, started: Callable[[], None] | None = None,
@@ -107,15 +114,16 @@ class TorchBackend:
             raise ValueError("this backend cannot run fed plans")
         self.penalties.flush()  # the lanes bound and freed since the last pass, written on this pass's stream
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
+        masks = None if plan.plain else self.grammars.masks_beside(plan.work)  # on the host while the forward runs
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
             read = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
             self._last_rows = {p.lane: row for row, p in enumerate(read)}
         if plan.plain:  # the planner's choice: every row a plain greedy draw
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
-        return _Pending(self._general_result(plan, logits))
+        return _Pending(self._general_result(plan, logits, masks))
 
-    def _general_result(self, plan: Plan, logits: torch.Tensor) -> Callable[[], PassResult]:
+    def _general_result(self, plan: Plan, logits: torch.Tensor, masks=None) -> Callable[[], PassResult]:
         """Queue the pass's sampling and reads on the device; returns what reads them back (one sync)."""
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
@@ -141,7 +149,8 @@ class TorchBackend:
             offset += n
         on_device = []
         if rows:
-            drawn = self._draw(logits, draw_rows, rows, device, before if drafts else None, drafts)
+            drawn = self._draw(logits, draw_rows, rows, device, before if drafts else None, drafts,
+                               masks.result() if masks is not None else None)
             on_device += [drawn.tokens, drawn.logprobs, drawn.top_ids, drawn.top_logprobs]
         if targets:
             index = torch.tensor(target_rows, dtype=torch.int64, device=device)
@@ -169,6 +178,7 @@ class TorchBackend:
                                    tuple(drawn_host.logprobs[i : i + kept]) if wants else (None,) * kept,
                                    tuple(tuple(top) for top in drawn_host.top[i : i + kept])))
             i += n
+        self.grammars.advance(plan.work, sampled)  # each constrained lane's matcher takes what its lane kept
         return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
 
     def _greedy_result(self, plan: Plan, drawn: torch.Tensor) -> "_Pending":
@@ -202,12 +212,12 @@ class TorchBackend:
         return out
 
     def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device,
-              before=None, drafts=()) -> SampledTensors:
+              before=None, drafts=(), masks=None) -> SampledTensors:
         """The rows' draws; each drafted row counts the draft tokens ahead of it among its lane's output, and
         only a draft's accepted draws are recorded in its lane's history (decided on the device)."""
         picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]
         penalised = any(r.params.needs_penalties for r in rows)
-        out = sample(picked, rows, self.penalties if penalised else None, before)
+        out = sample(picked, rows, self.penalties if penalised else None, before, masks)
         if penalised:
             lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
             kept = torch.ones(len(rows), dtype=torch.bool, device=device)  # [S]

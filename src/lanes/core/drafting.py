@@ -18,6 +18,7 @@ from .job import Job
 PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 COST_DECAY = 0.95  # the weight of past passes in the cost model
+PROBE = 4  # every 4th fresh plan that would draft nothing drafts one token: rates and costs stay learnt
 
 
 class DraftSource(Protocol):
@@ -55,12 +56,18 @@ class Drafting:
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._fixed, self._per_row = 0.0, 0.0  # the cost model: seconds a pass, and a row more
         self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
+        self._idle = 0  # fresh plans in a row that drafted nothing
         self.drafted = self.accepted = self.pieces = 0
 
     async def begin(self, jobs) -> None:
         """Before a pass is planned: each decoding job's draft length, and the source's drafts made ready
         where making them takes a model's passes (off the event loop)."""
         self._lengths = self._choose(jobs)
+        if self._lengths and not any(self._lengths.values()):
+            # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
+            self._idle += 1
+            if self._idle % PROBE == 0:
+                self._lengths[max(self._lengths, key=lambda job: self._rates.get(job, PRIOR))] = 1
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:
             await prepare(jobs, self._lengths)

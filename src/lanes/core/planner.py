@@ -61,6 +61,7 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
             params = job.sampling
             generated = len(job.generated)
             ahead = ahead and (params.plain or not params.needs_penalties)  # a plain draw reads no penalty
+            ahead = ahead and params.grammar is None  # its mask needs the matcher advanced by this pass
             most = min(lengths.get(job.id, 0), job.max_new - generated - 1) if lengths is not None else 0
             draft = drafter.propose(job, most) if most > 0 else ()
             if draft:

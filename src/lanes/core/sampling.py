@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from .grammar import Grammar
+
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4
@@ -47,6 +49,7 @@ class SamplingParams:
     min_tokens_stops: tuple[int, ...] = ()  # masked until then: the stream's stop tokens (the lane core fills it in)
     include_stop_str_in_output: bool = False  # the stop string (or a stop token's text) ends the text, not cut
     skip_special_tokens: bool = True  # special tokens give no text
+    grammar: Grammar | None = None  # the tokens must match it: each draw is masked to what it allows next
 
     def validate(self) -> None:
         """Raises InvalidParameter for the first parameter outside its range (NaN is outside every range)."""
@@ -69,6 +72,9 @@ class SamplingParams:
             ("top_logprobs", self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs to be true"),
             ("stop", len(self.stop) <= MAX_STOPS, "stop may hold at most 4 strings"),
             ("stop", all(self.stop), "stop strings must not be empty"),
+            # a finished grammar allows only the end tokens: they must end the stream, and may come at once
+            ("ignore_eos", self.grammar is None or not self.ignore_eos, "ignore_eos cannot be used with a grammar"),
+            ("min_tokens", self.grammar is None or not self.min_tokens, "min_tokens cannot be used with a grammar"),
         )
         for param, ok, message in checks:
             if not ok:
@@ -96,9 +102,9 @@ class SamplingParams:
     @cached_property  # read for every row of every pass
     def plain(self) -> bool:
         """A draw that is the raw logits' argmax, reporting at most its logprob (`plain_greedy`): no penalty,
-        no bias and no min_tokens mask changes the logits."""
+        no bias, no min_tokens mask and no grammar changes the logits."""
         return (self.greedy and not self.needs_penalties and self.top_logprobs == 0 and not self.logit_bias
-                and not self.min_tokens)
+                and not self.min_tokens and self.grammar is None)
 
 
 @dataclass(frozen=True, init=False)

@@ -242,6 +242,10 @@ class Tokenizer:
                                 tools=chat.mark(tools, markers) if tools is not None else None, **chat.mark(extra, markers))
         return chat.encode(text, markers)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine reads its vocabulary from)."""
+        return self._backend.to_str()
+
     def detokenizer(self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteDetokenizer:
         """A streaming decoder for one generation; `prompt_ids` set the first token's leading space; special
         tokens give their text unless skipped, as in `decode`. A byte-level BPE's gives the same text from a
