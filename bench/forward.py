@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lanes.core.passes import Piece
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockPool, BlockTable
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 from lanes.models import resolve_model

@@ -18,7 +18,7 @@ from lanes.followers import Followers, FollowersBackend
 from lanes.core.metered import MeteredBackend
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import PromptLogprobs, Request, TokenEvent
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import choose, cuda_device_count, runner_for
 from lanes.loader import load_model
 

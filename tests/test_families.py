@@ -13,8 +13,8 @@ import torch
 
 import scenario
 import tiny
+from lanes.core.blocks import BlockPool
 from lanes.families.moe import MoE
-from lanes.gpu.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 

@@ -12,7 +12,7 @@ import torch
 
 import tiny
 from lanes.core.passes import Piece
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockPool, BlockTable
 from lanes.gpu.device import choose, cuda_device_count
 
 if cuda_device_count() == 0 and os.environ.get("TRITON_INTERPRET") != "1":
@@ -73,7 +73,7 @@ def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_p
 @pytest.mark.parametrize("dtype, captured", [("fp32", True), ("bf16", True), ("fp32", False)])
 def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     """Captured (one rank) or launched uncaptured on the pieces' exact rows (what tensor-parallel ranks run)."""
-    from lanes.core.sampling import greedy_draw
+    from lanes.gpu.graphs import greedy_draw
     from lanes.gpu.graphs import DecodeGraphs
 
     if captured and DEVICE != "cuda":
@@ -113,7 +113,7 @@ def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
 def test_passes_with_short_prompts_equal_the_general_forward(dtype, captured, tmp_path):
     """Prompts (a whole one, a first chunk without logits, its next chunk) beside decode rows, in one
     graph: the asked-for rows' logits equal the general forward's, and decoding on goes on agreeing."""
-    from lanes.core.sampling import greedy_draw
+    from lanes.gpu.graphs import greedy_draw
     from lanes.gpu.graphs import DecodeGraphs
 
     if captured and DEVICE != "cuda":

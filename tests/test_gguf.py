@@ -13,7 +13,7 @@ import scenario
 import tiny
 import tiny_gguf
 from lanes.checkpoint.gguf_source import unpermute
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 

@@ -22,9 +22,9 @@ import tiny
 import tiny_gguf
 from lanes.checkpoint.gguf_source import GGUFSource
 from lanes.checkpoint.safetensors_source import SafetensorsSource
+from lanes.core.blocks import BlockPool
 from lanes.families.layers import load_decoder, tensor_count
 from lanes.families.weights import Shard
-from lanes.gpu.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model, open_checkpoint
 

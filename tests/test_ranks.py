@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import tiny
-from lanes.core.lane_core import IntegrityError
+from lanes.core.blocks import IntegrityError
 from lanes.followers import HEARTBEAT
 from lanes.gpu.device import choose
 from lanes.gpu.ranks import PASS_SECONDS
@@ -278,3 +278,32 @@ def test_rank_flags_are_checked_before_anything_loads(folder):
     refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(folder), "--tp", "2", "--rank", "2",
                               "--master", "127.0.0.1", "--master-port", "1"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.strip() == "lanes: error: --rank 2 is outside 0..1"
+
+
+async def test_two_ranks_drafting_equal_one_rank_without_drafts(folder):
+    """The plan carries the drafts, so rank 1 runs the same drafted rows; a bias makes the output repeat, so
+    n-grams draft (most of them right). Constrained streams too: rank 0 alone computes masks."""
+    bodies = [completion(p, 30, logprobs=2, logit_bias={str(11 + i): 100}) for i, p in enumerate(PROMPTS)]
+    bodies += [completion(p, 16, logprobs=2) for p in PROMPTS]
+    bodies += [{"prompt": p, "max_tokens": 20, "temperature": 0, "logprobs": 2, **held}
+               for p, held in zip(PROMPTS, [{"guided_regex": "[a-z ]{2,30}"}, {"guided_choice": ["mat", "hat"]},
+                                            {"response_format": {"type": "json_object"}},
+                                            {"structured_outputs": {"regex": "(sat ){1,9}"}}])]
+    model = load_model(folder, choose("cpu", "fp32"), kv_blocks=200, quiet=True)
+    with trio.fail_after(120):
+        async with serving(torch_service(model, lanes=4, max_model_len=512)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                expected = [(await http.post("/v1/completions", json=body)).json() for body in bodies]
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, url = await start_two_ranks(nursery, folder, "--lanes", "4", "--draft", "ngram",
+                                                       "--draft-lengths", "fixed")
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                got = [(await http.post("/v1/completions", json=body)).json() for body in bodies]
+                drafts = (await http.get("/v1/info")).json()["drafts"]
+            rank0.signal(signal.SIGTERM)
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 0, rank0.text
+                assert await rank1.exit_code() == 0, rank1.text
+    for reply, want in zip(got, expected, strict=True):
+        assert_same(reply, want)
+    assert drafts["method"] == "ngram" and drafts["pieces"] > 0 and drafts["accepted"] > 0, drafts

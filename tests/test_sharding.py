@@ -14,7 +14,7 @@ import torch
 import scenario
 import tiny
 from lanes.families.weights import Shard
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.collective import ThreadGroup
 from lanes.gpu.device import choose
 from lanes.loader import load_model

@@ -24,7 +24,7 @@ from .families.names import gguf_layer_names
 from .families.registry import Family, family_for
 from .families.weights import Shard
 from .progress import Progress
-from .gpu.blocks import BLOCK_SIZE
+from .core.blocks import BLOCK_SIZE
 from .gpu.collective import Collective, Solo
 from .gpu.device import Placement
 from .gpu.kv import KVCache, KVShape
