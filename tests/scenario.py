@@ -35,7 +35,7 @@ def run(decoder, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: in
             tokens = p[done[i] : done[i] + take]
             tables[i].grow(pool, len(tokens))
             pieces.append(Piece(i, tuple(tokens), done[i], tuple(tables[i].blocks), "all"))
-        logits = decoder.prefill_many(pieces)
+        logits = decoder.forward(pieces)
         row = 0
         for piece in pieces:
             prompt_logits[piece.lane].append(logits[row : row + len(piece.tokens)])
@@ -51,7 +51,7 @@ def run(decoder, pool: BlockPool, prompt_ids: Sequence[Sequence[int]], steps: in
             sequences[i].append(token)
             tables[i].grow(pool, 1)
             pieces.append(Piece(i, (token,), len(sequences[i]) - 1, tuple(tables[i].blocks)))
-        last = decoder.decode(pieces)
+        last = decoder.forward(pieces)
         step_logits.append(last)
     for table in tables:
         table.clear(pool)

@@ -48,7 +48,7 @@ def test_logits_equal_transformers_gguf_loader(smollm2):
     pool = BlockPool(smollm2.kv_blocks)
     table = BlockTable(("lane", 0))
     table.grow(pool, len(prompt))
-    ours = smollm2.decoder.prefill_many([Piece(0, tuple(prompt), 0, tuple(table.blocks), "all")])
+    ours = smollm2.decoder.forward([Piece(0, tuple(prompt), 0, tuple(table.blocks), "all")])
     with torch.no_grad():
         theirs = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)

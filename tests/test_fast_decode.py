@@ -33,7 +33,7 @@ def lanes_after_prefill(model, lengths):
         tables.append(table)
         prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
         pieces.append(Piece(i, tuple(prompt), 0, tuple(table.blocks)))
-    last = model.decoder.prefill_many(pieces)
+    last = model.decoder.forward(pieces)
     return pool, tables, [p.end for p in pieces], last.argmax(-1).tolist()
 
 
@@ -59,7 +59,7 @@ def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_p
     pool, tables, lengths, tokens = lanes_after_prefill(model, lanes)
     for _ in range(6):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
-        eager = model.decoder.decode(pieces)
+        eager = model.decoder.forward(pieces)
         fast = model.decoder.decode_step(*decode_inputs(model, tables, lengths, tokens, 8))
         torch.testing.assert_close(fast, eager, rtol=0, atol=1e-4)
         assert fast.argmax(-1).tolist() == eager.argmax(-1).tolist()
@@ -88,7 +88,7 @@ def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     agree = 0
     for step in range(8):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
-        eager = model.decoder.decode(pieces).float()
+        eager = model.decoder.forward(pieces).float()
         replayed, drawn = graphs.run(pieces)
         if captured:  # the draw inside the graph is the one the sampler would make from these logits
             assert torch.equal(drawn.clone(), greedy_draw(replayed))

@@ -69,6 +69,7 @@ class DecodeGraphs:
         self._count = np.arange(r, dtype=np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits [size, V], greedy draws [2, size]
+        self._arrivals: dict[int, dict] = {}  # each graph's own arrival counters (kernels.arrival_scope)
 
     def _views(self, size: int, outputs: int | None = None):
         """decode_step's inputs for a bucket of `size` rows; `outputs` logit rows (default: as many as fit)."""
@@ -166,17 +167,20 @@ class DecodeGraphs:
                 print("lanes: decode graphs not captured: the MoE layers' grouped experts read their row counts on "
                       "the host; the fast step runs uncaptured", file=sys.stderr)
             return
+        from .kernels import arrival_scope  # Triton's: a CPU install has none, and never captures
+
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.decoder.device)
         stream.wait_stream(torch.cuda.current_stream())
         with Progress("capturing decode graphs", len(self.buckets), stream=None if not quiet else _Null(), unit="buckets") as progress:
             for size in sorted(self.buckets, reverse=True):
-                with torch.cuda.stream(stream):
+                counters = self._arrivals.setdefault(size, {})
+                with torch.cuda.stream(stream), arrival_scope(counters):
                     for _ in range(2):  # compile the kernels and settle the allocator before capture
                         self._step(size)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream), arrival_scope(counters):
                     self._outputs[size] = self._step(size)
                 with torch.cuda.stream(stream):
                     graph.replay()  # a graph's first launch uploads it (milliseconds): here, not in a pass

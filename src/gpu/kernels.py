@@ -7,6 +7,8 @@ kernel computes in float32 and rounds where the eager path rounds, so greedy tok
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -146,18 +148,31 @@ def context_splits(lanes: int, kv_heads: int, max_tokens: int, tile: int) -> int
     return max(1, min(tiles, -(-SPLIT_TARGET // (lanes * kv_heads)), MAX_SPLITS))
 
 
-_arrivals: dict[tuple, torch.Tensor] = {}  # (use, device, stream) -> zeroed arrival counters
+_arrivals: dict[tuple, torch.Tensor] = {}  # (use, device, stream) -> zeroed arrival counters, for uncaptured launches
+_owner: contextvars.ContextVar[dict | None] = contextvars.ContextVar("arrival_owner", default=None)
+
+
+@contextlib.contextmanager
+def arrival_scope(counters: dict):
+    """Launches inside take their arrival counters from `counters` (a captured graph's own, kept by whoever
+    captures it) instead of the per-stream ones of uncaptured launches."""
+    token = _owner.set(counters)
+    try:
+        yield
+    finally:
+        _owner.reset(token)
 
 
 def arrival_counts(device: torch.device, count: int, use: str = "attention") -> torch.Tensor:
     """Zeroed int32 counters for kernels whose last program to arrive finishes the work and zeroes its
-    counter again, so launches in stream order share them; made once a stream and use (the warm-up runs
-    precede a capture). `use` keeps kernels from counting in each other's slots."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (use, device, stream)
-    if key not in _arrivals or _arrivals[key].numel() < count:
-        _arrivals[key] = torch.zeros(max(count, SPLIT_TARGET), dtype=torch.int32, device=device)
-    return _arrivals[key]
+    counter again, so launches in stream order share them; made once a stream and use, or once a graph
+    inside `arrival_scope` (the warm-up runs precede a capture). `use` keeps kernels out of each other's slots."""
+    owned = _owner.get()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" and owned is None else 0
+    table, key = (_arrivals, (use, device, stream)) if owned is None else (owned, (use, device))
+    if key not in table or table[key].numel() < count:
+        table[key] = torch.zeros(max(count, SPLIT_TARGET), dtype=torch.int32, device=device)
+    return table[key]
 
 
 def paged_decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, tables: torch.Tensor,

@@ -23,6 +23,7 @@ from .families.layers import load_decoder, tensor_count
 from .families.names import gguf_layer_names
 from .families.registry import Family, family_for
 from .families.weights import Shard
+from .families.vision_tower_config import VISION_FAMILIES
 from .progress import Progress
 from .core.blocks import BLOCK_SIZE
 from .gpu.collective import Collective, Solo
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
     from .families.qwen2_vl import VisionTokens
     from .families.vision_tower import VisionTower
     from .text.tokenizer import Tokenizer
-
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 GGUF_MAGIC = b"GGUF"
 

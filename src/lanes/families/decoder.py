@@ -25,9 +25,6 @@ from .rope import cos_sin, inverse_frequencies
 from .weights import Shard
 
 
-MAX_PREFILLS = 16  # prompts in one batched prompt pass
-
-
 class PassMedia:
     """What a pass with image or video rows adds: M-RoPE positions [3, T] for all its rows, and the
     embeddings [K, hidden] that replace the token embeddings of rows `rows` [K] (the vision tower's)."""
@@ -81,18 +78,6 @@ class Decoder:
         # The one-row GEMVs need one rank and weights they can read by rows; checked once.
         self.one_row_ready = shard.world == 1 and weights.head.one_row_ready() and all(p.one_row_ready() for p in parts)
         self.graph_safe = all(layer.ffn.graph_safe for layer in weights.layers)  # whether a CUDA graph may hold a step
-
-    def prefill_many(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """Up to 16 prompt pieces (ragged, each at its own start over its own blocks) in one pass."""
-        if not 0 < len(pieces) <= MAX_PREFILLS:
-            raise ValueError(f"prefill_many takes 1 to {MAX_PREFILLS} prompts, not {len(pieces)}")
-        return self.forward(pieces)
-
-    def decode(self, pieces: Sequence[Piece]) -> torch.Tensor:
-        """One row a lane; returns logits [lanes, vocab]."""
-        if any(len(p.tokens) != 1 or p.logits != "last" for p in pieces):
-            raise ValueError("decode takes one row a lane and returns its logits")
-        return self.forward(pieces)
 
     @torch.inference_mode()
     def forward(self, pieces: Sequence[Piece], media: PassMedia | None = None) -> torch.Tensor:
