@@ -2,7 +2,7 @@
 matcher built), what share of a 32-stream decode pass the masks take, and constrained generations over
 real-world schemas checked by a strict JSON parser and `jsonschema`, with how many end on `length`.
 
-`python bench/grammar.py [--generations N]`. Figures on a shared 2-core machine are indicative.
+`python bench/grammar.py [--generations N] [--tiny qwen2|llama|qwen3]`. Figures on a shared 2-core machine are indicative.
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ PROMPTS = {"person": "Describe a person as JSON.", "order": "Write a shop order 
            "event": "Describe a meeting as JSON.", "rating": "Rate a film as JSON."}
 
 
-def ready_times(engine, rounds: int) -> list[float]:
+def ready_times(engine, rounds: int, cold: bool) -> list[float]:
+    """Check plus a matcher built; `cold` gives each round's schemas a new description, so each compiles."""
     times = []
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for schema in SCHEMAS.values():
+            source = grammars.json_schema({**schema, "description": f"round {round_}"} if cold else schema)
             start = time.perf_counter()
-            engine.matcher(engine.check(grammars.json_schema(schema), "json_schema"))
+            engine.matcher(engine.check(source, "json_schema"))
             times.append(time.perf_counter() - start)
     return times
 
@@ -106,14 +108,25 @@ def requests_for(model, names, constrained: bool, engine, max_tokens: int, seed:
     return out
 
 
-async def main(generations: int) -> None:
-    model = load_model(resolve_model(None), choose("cpu", "fp32"), kv_blocks=32 * 64 + 64, quiet=True)
+async def main(generations: int, tiny_kind: str | None) -> None:
+    if tiny_kind is None:
+        model = load_model(resolve_model(None), choose("cpu", "fp32"), kv_blocks=32 * 64 + 64, quiet=True)
+    else:
+        import tempfile
+
+        import tiny
+
+        folder = Path(tempfile.mkdtemp())
+        tiny.build(tiny_kind, folder, max_position_embeddings=1024)
+        model = load_model(folder, choose("cpu", "fp32"), kv_blocks=32 * 64 + 64, quiet=True)
+    print(f"model: {tiny_kind and f'tiny random {tiny_kind}' or 'the default model'}")
     stops = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     engine = grammars.GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stops)
     engine.warm()
-    ready = sorted(ready_times(engine, 25))
-    print(f"grammar ready: p50 {statistics.median(ready) * 1e3:.2f} ms, p99 {ready[int(len(ready) * 0.99) - 1] * 1e3:.2f} ms "
-          f"over {len(ready)} compiles of {len(SCHEMAS)} schemas")
+    for cold in (True, False):
+        ready = sorted(ready_times(engine, 50, cold))
+        print(f"grammar ready ({'compiled' if cold else 'kept'}): p50 {statistics.median(ready) * 1e3:.2f} ms, "
+              f"p99 {ready[int(len(ready) * 0.99) - 1] * 1e3:.2f} ms over {len(ready)} requests of {len(SCHEMAS)} schemas")
     names = list(SCHEMAS) * 8  # 32 streams
     shares, walls = [], {True: [], False: []}
     for round_ in range(2):  # interleaved: constrained, unconstrained, constrained, unconstrained
@@ -142,4 +155,6 @@ async def main(generations: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--generations", type=int, default=500)
-    trio.run(main, parser.parse_args().generations)
+    parser.add_argument("--tiny", default=None, help="a tiny random model of this family (tests/tiny.py) instead of the default")
+    args = parser.parse_args()
+    trio.run(main, args.generations, args.tiny)
