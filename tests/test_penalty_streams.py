@@ -1,7 +1,7 @@
 """A lane's penalty state never changes under a pass still running on the device (CUDA only).
 
-Rules: the pass is a side stream held busy by `torch.cuda._sleep` before it reads the state, as the
-runner's non-blocking stream is while a forward runs; the lane is rebound for its next stream on the host
+Rules: the pass runs on the runner's own stream (non-blocking: nothing orders it after the default
+stream), held busy by `torch.cuda._sleep` before it reads the state, as it is while a forward runs; the lane is rebound for its next stream on the host
 meanwhile. Written to the device at once on the default stream (the old `bind`), the rebind would land
 before the pass's read; queued for the next pass's `flush`, it lands after it.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lanes.backend.penalties import PenaltyState
-from lanes.gpu.device import cuda_device_count
+from lanes.gpu.device import CudaRunner, cuda_device_count
 
 pytestmark = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
 
@@ -22,7 +22,7 @@ def test_a_rebind_during_a_pass_lands_after_the_pass_reads():
     state = PenaltyState(2, 64, device)
     state.bind(0, [1, 2, 3])
     lane = torch.tensor([0], device=device)
-    runner = torch.cuda.Stream(device)
+    runner = CudaRunner(0).torch_stream
     with torch.cuda.stream(runner):
         state.record(lane.repeat(2), torch.tensor([5, 5], device=device))  # flushes the bind first
         torch.cuda._sleep(SPIN)
