@@ -126,9 +126,13 @@ class LaneGrammars:
                 out.append((matcher, w, n))
             at += n
         bits = np.full((len(rows), words(self.vocab)), -1, dtype=np.int32)
+        firsts, g = [], 0
+        for matcher, _, n in out:
+            firsts.append((matcher, g))
+            g += n
+        fill_rows(firsts, bits)
         g = 0
         for matcher, w, n in out:
-            matcher.fill(bits[g])
             valid = matcher.validate(w.draft) if w.draft else 0  # a refused token would break the matcher
             for i in range(min(valid, n - 1)):
                 matcher.consume((w.draft[i],))
@@ -167,6 +171,18 @@ class LaneGrammars:
         """Raises AssertionError unless the matchers are the bound lanes' (once the queued writes are made)."""
         self.flush()
         assert set(self._matchers) == self._bound, f"matchers {sorted(self._matchers)} != bound {sorted(self._bound)}"
+
+
+def fill_rows(pairs: Sequence[tuple[Matcher, int]], bits: np.ndarray) -> None:
+    """Each matcher's mask into its row of `bits`: all at once by the matchers' own `fill_many` where their
+    type has one (llguidance's, over a thread pool), else one by one."""
+    kinds = {type(matcher) for matcher, _ in pairs}
+    many = getattr(next(iter(kinds)), "fill_many", None) if len(kinds) == 1 else None
+    if many is not None:
+        many(pairs, bits)
+        return
+    for matcher, row in pairs:
+        matcher.fill(bits[row])
 
 
 def allowed(bits: np.ndarray, vocab: int) -> np.ndarray:
