@@ -22,7 +22,8 @@ def test_a_rebind_during_a_pass_lands_after_the_pass_reads():
     state = PenaltyState(2, 64, device)
     state.bind(0, [1, 2, 3])
     lane = torch.tensor([0], device=device)
-    runner = CudaRunner(0).torch_stream
+    owner = CudaRunner(0)  # kept: its stream lives as long as it does
+    runner = owner.torch_stream
     with torch.cuda.stream(runner):
         state.record(lane.repeat(2), torch.tensor([5, 5], device=device))  # flushes the bind first
         torch.cuda._sleep(SPIN)
@@ -39,3 +40,4 @@ def test_a_rebind_during_a_pass_lands_after_the_pass_reads():
     runner.synchronize()
     assert int(after_counts.sum()) == 0 and after_prompt[0].nonzero().flatten().tolist() == [7]
     state.check_integrity()
+    owner.close()
