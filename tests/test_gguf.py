@@ -65,17 +65,6 @@ MOE_CASES = {  # fp32 files against transformers on the folder the file was writ
 }
 
 
-def assert_equal_over_the_scenario(model, reference, steps: int = 8) -> None:
-    pool = BlockPool(model.kv_blocks)
-    prompt_ids = scenario.prompts(model.config.vocab_size)
-    ours = scenario.run(model.decoder, pool, prompt_ids, steps=steps)
-    theirs = scenario.reference(reference, prompt_ids, ours[2], steps=steps)
-    for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
-        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
-    assert ours[2] == theirs[2]
-    pool.check_integrity()
-
-
 @pytest.mark.parametrize("kind", sorted(MOE_CASES))
 def test_moe_gguf_with_stacked_experts_equals_its_hugging_face_folder(kind, tmp_path):
     """llama.cpp's layout (experts stacked, names from the gguf package's map, GLM's MTP block past the
@@ -87,7 +76,7 @@ def test_moe_gguf_with_stacked_experts_equals_its_hugging_face_folder(kind, tmp_
     assert stacked and all(len(t.shape) == 3 for t in stacked)
     model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
     assert model.config.family == kind and model.config.layers == source.config.num_hidden_layers
-    assert_equal_over_the_scenario(model, source)
+    scenario.assert_equals_transformers(model, source)
 
 
 def test_quantized_qwen3_moe_gguf_equals_transformers_gguf_loader(tmp_path):
@@ -103,4 +92,4 @@ def test_quantized_qwen3_moe_gguf_equals_transformers_gguf_loader(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     assert not torch.equal(reference.model.layers[0].mlp.experts.down_proj, source.model.layers[0].mlp.experts.down_proj)
     model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
-    assert_equal_over_the_scenario(model, reference)
+    scenario.assert_equals_transformers(model, reference)

@@ -31,19 +31,6 @@ from lanes.loader import load_model, open_checkpoint
 Q = gguf.GGMLQuantizationType
 
 
-def assert_equals_transformers(model, reference, steps: int = 8) -> None:
-    """The families test's check: ragged prompts prefilled (one in chunks), then decoded, against transformers."""
-    pool = BlockPool(model.kv_blocks)
-    prompt_ids = scenario.prompts(model.config.vocab_size)
-    ours = scenario.run(model.decoder, pool, prompt_ids, steps=steps)
-    theirs = scenario.reference(reference, prompt_ids, ours[2], steps=steps)
-    for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
-        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
-    assert ours[2] == theirs[2]
-    pool.check_integrity()
-    assert pool.free == pool.total
-
-
 def sharded_folder(tmp_path, kind: str = "qwen2", **overrides):
     """A tiny model saved as several safetensors shards with an index; returns (folder, transformers model)."""
     built = tmp_path / "single"
@@ -65,7 +52,7 @@ def test_sharded_safetensors_load_and_equal_transformers(tmp_path):
     assert set(source.names()) == set(reference.state_dict())
     model = load_model(folder, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
     assert model.config.family == "qwen2"
-    assert_equals_transformers(model, reference, steps=16)
+    scenario.assert_equals_transformers(model, reference, steps=16)
 
 
 # ---- GGUF tensor types ----
@@ -122,7 +109,7 @@ def test_gguf_tensor_types_equal_the_packages_dequantization_and_transformers(ty
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, original)  # the reference is the file's, not the original
     loaded = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
     assert loaded.config.family == arch
-    assert_equals_transformers(loaded, model.eval())
+    scenario.assert_equals_transformers(loaded, model.eval())
 
 
 # ---- one tensor at a time on the host ----
