@@ -22,7 +22,6 @@ import tiny
 import tiny_gguf
 from lanes.checkpoint.gguf_source import GGUFSource
 from lanes.checkpoint.safetensors_source import SafetensorsSource
-from lanes.core.blocks import BlockPool
 from lanes.families.layers import load_decoder, tensor_count
 from lanes.families.weights import Shard
 from lanes.gpu.device import choose
