@@ -88,7 +88,7 @@ async def run(model, engine, requests, lanes: int):
     stops = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     TimedGrammars.spent = 0.0
     start = time.perf_counter()
-    async with running(backend, text=text_factory(model.tokenizer), stop_ids=stops, max_rows=1024) as core:
+    async with running(backend, text=text_factory(model.tokenizer), stop_ids=stops, max_rows=1024, bound=float("inf")) as core:
         streams = [await core.submit(r) for r in requests]
         outcomes = [await collect(s) for s in streams]
         passes = core.statistics().passes

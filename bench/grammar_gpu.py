@@ -89,7 +89,7 @@ async def run(model, placement, engine, streams: int, new: int, constrained: boo
         prompt = model.tokenizer.encode(PROMPTS[name])
         requests.append(Request(tuple(prompt), SamplingParams(temperature=0.7, seed=seed + i, max_tokens=new,
                                                               ignore_eos=not constrained, grammar=grammar)))
-    async with running(backend, text=text_factory(model.tokenizer), stop_ids={0}, max_rows=4096) as core:
+    async with running(backend, text=text_factory(model.tokenizer), stop_ids={0}, max_rows=4096, bound=float("inf")) as core:
         began = time.perf_counter()
         streams_ = [await core.submit(r) for r in requests]
         for s in streams_:

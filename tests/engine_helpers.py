@@ -39,10 +39,11 @@ def seeded(seed: int, max_tokens: int = 8, **more) -> SamplingParams:
 
 
 @asynccontextmanager
-async def running(backend, text=fake_text, stop_ids=(EOS,), **options):
-    """A lane core running in its own nursery; on exit it is shut down and its books must balance."""
+async def running(backend, text=fake_text, stop_ids=(EOS,), bound: float = 60, **options):
+    """A lane core running in its own nursery, for at most `bound` seconds (benches: no bound); on exit it
+    is shut down and its books must balance."""
     core = LaneCore(backend, text, stop_ids, **options)
-    with trio.fail_after(60):
+    with trio.fail_after(bound):
         async with trio.open_nursery() as nursery:
             await nursery.start(core.run)
             core.check_integrity()
