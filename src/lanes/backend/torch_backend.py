@@ -41,7 +41,7 @@ class TorchBackend:
         length = min(max_model_len or model.config.max_position, model.config.max_position)
         kv = model.decoder.kv
         self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
-                                   bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
+                                   bytes_per_block=kv.bytes_per_block)
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
         self.grammars = LaneGrammars(model.config.vocab_size, grammars)  # matchers from `grammars`, if given
         self.graphs = fast_decode(model, lanes, length, graphs)
