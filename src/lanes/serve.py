@@ -80,7 +80,8 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
     grammars.warm()  # the grammar engine's tokenizer (~0.5 s for 49k tokens), before the first constrained request
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
-                           graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher)
+                           graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher,
+                           draft_tokens=args.draft_tokens if args.draft or args.draft_model else 0)
     if followers is not None:
         backend = FollowersBackend(backend, followers)
     backend = MeteredBackend(backend)  # pass times for /metrics
