@@ -56,7 +56,8 @@ class TorchBackend:
         feeds = self.graphs is not None and self.graphs.feeds and model.decoder.shard.world == 1
         self._shape = replace(self._shape, feeds=feeds)
         # Two passes in flight at most (the one waited for, the one queued behind it); two spare.
-        self._pinned = PinnedRing(4, 2 * lanes * (1 + draft_tokens)) if model.placement.is_cuda else None
+        self._pinned_rows = lanes * (1 + draft_tokens)  # the draws a pinned buffer holds: every drafted row's
+        self._pinned = PinnedRing(4, 2 * self._pinned_rows) if model.placement.is_cuda else None
         self._queued: tuple[Plan, _Pending] | None = None  # a pass queued behind the last one stepped
         self._last_rows: dict[int, int] = {}  # lane -> row of the last fast decode pass launched
 
@@ -189,8 +190,8 @@ class TorchBackend:
         """A pass whose every row is plain greedy, from its draws [2, R] float64: one small read-back, on
         CUDA into a page-locked buffer behind which the pass's own event is recorded."""
         rows = drawn.shape[1]
-        if self._pinned is None:
-            return _Pending(lambda: _greedy_sampled(plan, drawn.reshape(-1).numpy()))
+        if self._pinned is None or rows > self._pinned_rows:  # more drafted rows than `draft_tokens` made room for
+            return _Pending(lambda: _greedy_sampled(plan, drawn.reshape(-1).cpu().numpy()))
         host = self._pinned.take()[: 2 * rows]
         host.copy_(drawn.reshape(-1), non_blocking=True)
         return _Pending(lambda: _greedy_sampled(plan, host.numpy()), self.runner.record())
