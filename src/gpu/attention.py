@@ -110,10 +110,12 @@ def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tenso
     hkv = cache_k.shape[1]
     # [B, Hq, Q, D] from the flat rows; [B, Hkv, K, D] from the cache.
     qp = q.index_select(0, rows.q_index).view(rows.lanes, rows.max_q, hq, d).transpose(1, 2)
-    kp, vp = cache_k.index_select(0, rows.k_slots), cache_v.index_select(0, rows.k_slots)  # [B*K, Hkv, D]
-    if exponents is not None:
-        kp = fp8.dequantize(kp, exponents[0].index_select(0, rows.k_slots), q.dtype)
-        vp = fp8.dequantize(vp, exponents[1].index_select(0, rows.k_slots), q.dtype)
+    if exponents is None:
+        kp, vp = cache_k.index_select(0, rows.k_slots), cache_v.index_select(0, rows.k_slots)  # [B*K, Hkv, D]
+    else:  # gathered as bytes (index_select on fp8 is not on every device), then dequantized
+        kp, vp = (fp8.dequantize(cache.view(torch.uint8).index_select(0, rows.k_slots).view(fp8.FP8),
+                                 e.index_select(0, rows.k_slots), q.dtype)
+                  for cache, e in ((cache_k, exponents[0]), (cache_v, exponents[1])))
     kp = kp.view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
     vp = vp.view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
     if q.is_cuda:

@@ -56,8 +56,10 @@ class KVCache:
         self.scratch_block = blocks
         self.model_dtype = dtype  # what attention computes in, whatever the cache stores
         slots = (blocks + 1) * shape.block_size
-        stored = FP8 if fp8 else dtype
-        self.data = torch.zeros(shape.layers, 2, slots, shape.kv_heads, shape.head_dim, device=device, dtype=stored)
+        dims = (shape.layers, 2, slots, shape.kv_heads, shape.head_dim)
+        # fp8 zeroed as bytes (zero bytes are +0.0 in e4m3): filling fp8 itself is not on every device
+        self.data = (torch.zeros(dims, device=device, dtype=torch.uint8).view(FP8) if fp8
+                     else torch.zeros(dims, device=device, dtype=dtype))
         self.exponents = (torch.zeros(shape.layers, 2, slots, shape.kv_heads, device=device, dtype=torch.int8)
                           if fp8 else None)
 
