@@ -5,7 +5,8 @@
 One query row a lane over its context (Qwen2.5-0.5B's heads: 14 query, 2 KV, head dim 64; bf16), lanes'
 blocks scattered through a pool. Contenders: the eager path (gather the lanes' blocks, then SDPA),
 FlexAttention (compiled) over the same gathered keys with a length mask, and the Triton kernel reading
-block tables directly, at two tile sizes, each with the context in one program a lane and head or split over several. Checks every output against the eager path, then prints
+block tables directly, at two tile sizes, each with the context in one program a lane and head or split over several,
+and over an fp8 cache (e4m3 and an exponent a token's head, checked against the eager path over the same cache). Checks every output against the eager path, then prints
 one table of microseconds a call (device time: calls captured in a CUDA graph, replays timed with events).
 """
 
@@ -15,7 +16,7 @@ import statistics
 
 import torch
 
-from lanes.gpu import kernels
+from lanes.gpu import fp8, kernels
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
 
 HQ, HKV, D, BS = 14, 2, 64, 16
@@ -93,6 +94,14 @@ def main() -> None:
             assert error < 1e-2, error
             name = f"Triton tile {tile}, " + ("no split" if splits == 1 else f"{kernels.context_splits(lanes, HKV, context, tile)} splits")
             results[name] = timed(lambda: kernels.paged_decode_attention(q, ck, cv, tables, lens, scale, BS, tile=tile, splits=splits))
+        k8, k_exp = fp8.quantize(ck)  # the fp8 cache (--kv-cache fp8): half the bytes read
+        v8, v_exp = fp8.quantize(cv)
+        quantized = paged_attention(q, k8, v8, paged, scale, (k_exp, v_exp)).float()
+        out = kernels.paged_decode_attention(q, k8, v8, tables, lens, scale, BS, k_exp=k_exp, v_exp=v_exp).float()
+        assert ((out - quantized).norm() / quantized.norm()).item() < 1e-2
+        name = f"Triton fp8 KV, {kernels.context_splits(lanes, HKV, context, 64)} splits"
+        results[name] = timed(lambda: kernels.paged_decode_attention(q, k8, v8, tables, lens, scale, BS, k_exp=k_exp,
+                                                                     v_exp=v_exp))
         rows.append((lanes, context, results))
     names = list(dict.fromkeys(name for _, _, r in rows for name in r))
     print(f"\npaged decode attention, bf16, {HQ} query / {HKV} KV heads, head dim {D}, {torch.cuda.get_device_name()} (us a call)")

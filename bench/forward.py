@@ -119,7 +119,7 @@ def measure(path: Path, label: str, placement, args) -> list[tuple[str, str, flo
         tables = [BlockTable(("lane", i)) for i in range(args.prompts)]
         for t in tables:
             t.grow(pool, args.prompt_len)
-        ours.decoder.prefill_many([Piece(i, tuple(prompts[i].tolist()), 0, tuple(t.blocks)) for i, t in enumerate(tables)])
+        ours.decoder.forward([Piece(i, tuple(prompts[i].tolist()), 0, tuple(t.blocks)) for i, t in enumerate(tables)])
         for t in tables:
             t.clear(pool)
 
@@ -131,7 +131,7 @@ def measure(path: Path, label: str, placement, args) -> list[tuple[str, str, flo
         tables = [BlockTable(("lane", i)) for i in range(args.lanes)]
         for t in tables:
             t.grow(pool, args.prompt_len)
-        last = ours.decoder.prefill_many([Piece(i, tuple(prompts[i].tolist()), 0, tuple(t.blocks)) for i, t in enumerate(tables)])
+        last = ours.decoder.forward([Piece(i, tuple(prompts[i].tolist()), 0, tuple(t.blocks)) for i, t in enumerate(tables)])
         sync()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -140,7 +140,7 @@ def measure(path: Path, label: str, placement, args) -> list[tuple[str, str, flo
             for i, t in enumerate(tables):
                 t.grow(pool, 1)
                 pieces.append(Piece(i, (tokens[i],), t.tokens - 1, tuple(t.blocks)))
-            last = ours.decoder.decode(pieces)
+            last = ours.decoder.forward(pieces)
         sync()
         for t in tables:
             t.clear(pool)

@@ -1,6 +1,7 @@
 """The GPU benchmark: our engine beside transformers on a Qwen2.5-0.5B-shaped model, in one run.
 
     python bench/gpu.py [--streams 1,16,64] [--prompt 128] [--new 128] [--repeats 5] [--quick] [--tp N]
+    python bench/gpu.py --drafts ngram[,suffix] [--model M] [--draft-tokens 8]   (bench/gpu_drafts.py)
 
 A model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864,
 vocabulary 151936, tied embeddings) with random bf16 weights from a fixed seed, saved once and read by
@@ -305,7 +306,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only our engine (no transformers peers)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each graphed engine setting; the median is shown")
     parser.add_argument("--tp", type=int, default=1, help="above 1: served --tp N beside --tp 1 (bench/gpu_tp.py)")
+    parser.add_argument("--drafts", default=None,
+                        help="ngram and/or suffix: drafts off and on, real prompts on --model (bench/gpu_drafts.py)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="with --drafts: the model that drafts run on")
+    parser.add_argument("--draft-tokens", type=int, default=8, help="with --drafts: most draft tokens a lane a pass")
     args = parser.parse_args()
+    if args.drafts:
+        from gpu_drafts import main_drafts
+
+        main_drafts(args)
+        return
     if args.tp > 1:
         from gpu_tp import main_tp
 

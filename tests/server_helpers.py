@@ -20,6 +20,7 @@ def torch_service(model, *, lanes: int = 4, max_rows: int = 64, max_queue: int =
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
     options.setdefault("grammars", grammars)
+    options.setdefault("kv_cache", model.decoder.kv.describe())
     backend = TorchBackend(model, CpuRunner(), lanes=lanes, max_model_len=max_model_len, grammars=grammars.matcher)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=max_rows, max_queue=max_queue)
     return Service(core, model.tokenizer, "tiny", model.config.family, max_model_len, vocab_size=model.config.vocab_size,

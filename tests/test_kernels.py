@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from lanes.families.norm import rms_norm  # noqa: E402
 from lanes.families.rope import cos_sin  # noqa: E402
-from lanes.gpu import kernels  # noqa: E402
+from lanes.gpu import kernels, paged_kernel  # noqa: E402
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -56,7 +56,7 @@ def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hk
     q = torch.randn(lanes, hq, d, generator=g).to(DEVICE, dtype)
     mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, lens, d**-0.5, 16, tile=16, splits=splits, fused=fused)
     if fused:  # the counters are left zeroed for the next call (a graph's next replay)
-        assert not any(t.any() for t in kernels._arrivals.values())
+        assert not any(t.any() for t in paged_kernel._arrivals.values())
     rows = PagedRows.build(spans, 16, torch.device(DEVICE))
     ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), rows, d**-0.5)
     close(mine, ref, dtype)

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: new K/V written to their slots, then ragged rows gathered for SDPA.
 
 Built once a pass (`PagedRows.build`, host-side index math) and used by every layer. Decode on CUDA uses
-the Triton kernel of the fast step instead; this gather is exact and runs on every device.
+the Triton kernel of the fast step instead; this gather is exact and runs on every device. An fp8 cache
+(`exponents` given) is written quantized and its gathered rows dequantized to q's dtype before SDPA.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import fp8
 
 KEY_ALIGN = 64  # keys padded to a multiple of this: few distinct shapes, and aligned rows for the kernels
 # Not cuDNN's attention on CUDA: it builds a plan for every new shape, and a pass's shape changes every pass.
@@ -86,20 +89,35 @@ class PagedRows:
         )
 
 
-def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store the pass's new keys and values. cache_*: [S, Hkv, D]; k, v: [T, Hkv, D]."""
-    cache_k.index_copy_(0, rows.slots, k)
-    cache_v.index_copy_(0, rows.slots, v)
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: torch.Tensor, v: torch.Tensor,
+             exponents: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Store the pass's new keys and values. cache_*: [S, Hkv, D]; k, v: [T, Hkv, D]; `exponents`: an fp8
+    cache's (k_exp, v_exp) [S, Hkv] int8, written beside the quantized values."""
+    if exponents is None:
+        cache_k.index_copy_(0, rows.slots, k)
+        cache_v.index_copy_(0, rows.slots, v)
+        return
+    for cache, exps, x in ((cache_k, exponents[0], k), (cache_v, exponents[1], v)):
+        values, e = fp8.quantize(x)
+        cache.view(torch.uint8).index_copy_(0, rows.slots, values.view(torch.uint8))  # no fp8 index_copy on the CPU
+        exps.index_copy_(0, rows.slots, e)
 
 
-def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float,
+                    exponents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each lane's new rows over its whole context. q: [T, Hq, D] -> [T, Hq, D]."""
     hq, d = q.shape[1], q.shape[2]
     hkv = cache_k.shape[1]
     # [B, Hq, Q, D] from the flat rows; [B, Hkv, K, D] from the cache.
     qp = q.index_select(0, rows.q_index).view(rows.lanes, rows.max_q, hq, d).transpose(1, 2)
-    kp = cache_k.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
-    vp = cache_v.index_select(0, rows.k_slots).view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
+    if exponents is None:
+        kp, vp = cache_k.index_select(0, rows.k_slots), cache_v.index_select(0, rows.k_slots)  # [B*K, Hkv, D]
+    else:  # gathered as bytes (index_select on fp8 is not on every device), then dequantized
+        kp, vp = (fp8.dequantize(cache.view(torch.uint8).index_select(0, rows.k_slots).view(fp8.FP8),
+                                 e.index_select(0, rows.k_slots), q.dtype)
+                  for cache, e in ((cache_k, exponents[0]), (cache_v, exponents[1])))
+    kp = kp.view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
+    vp = vp.view(rows.lanes, rows.max_k, hkv, d).transpose(1, 2)
     if q.is_cuda:
         if hq != hkv:  # the efficient kernel takes as many key heads as query heads
             kp, vp = kp.repeat_interleave(hq // hkv, dim=1), vp.repeat_interleave(hq // hkv, dim=1)

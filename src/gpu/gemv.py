@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import arrival_counts
+from .paged_kernel import arrival_counts
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 PLAIN, NORM, SILU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what a program does to x as it loads it

@@ -5,9 +5,11 @@ block tables on the device) on static input buffers. A pass packs its rows' toke
 slots, lengths, feed rows and table rows, its logit rows and its lanes' block tables into one host
 buffer, copies it to the device in one transfer, and replays the smallest bucket that holds it; padding
 rows write only the scratch block. Decode rows are one a lane; a pass may also carry short prompts,
-whose rows attend causally through their lane's table (their Python cost eagerly is ~15 ms a pass).
-Every graph leaves its greedy draws in one device buffer, where a row with a feed row reads its token
-(a `fed` plan: the pass is queued before the host has seen the draws of the one before it).
+whose rows attend causally through their lane's table (their Python cost eagerly is ~15 ms a pass), and
+drafted lanes' 1 + k rows, which are the same thing: rows at their own positions over the lane's table,
+every one of them with its logits. Every graph leaves its greedy draws (one a logit row) in one device
+buffer, where a row with a feed row reads its token (a `fed` plan: the pass is queued before the host has
+seen the draws of the one before it), and a drafted pass's greedy acceptance is read from.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
 
 class DecodeGraphs:
     """Captured steps for every bucket up to `max_lanes` decode rows, and with `prompt_rows` also for
-    passes of up to that many rows that carry short prompts (their rows attend causally through the
-    lane's table row, and only the rows whose logits are asked for reach the head)."""
+    passes of up to that many rows that carry short prompts or drafted lanes (their rows attend causally
+    through the lane's table row, and only the rows whose logits are asked for reach the head: at most
+    `max_logits`, every row of `max_lanes` lanes drafting `draft_tokens` each)."""
 
-    def __init__(self, decoder, max_lanes: int, max_model_len: int, prompt_rows: int = 0) -> None:
+    def __init__(self, decoder, max_lanes: int, max_model_len: int, prompt_rows: int = 0, draft_tokens: int = 0) -> None:
         self.decoder = decoder
         kv = decoder.kv
         self.block_size = kv.shape.block_size
@@ -53,18 +56,20 @@ class DecodeGraphs:
         if prompt_rows > max_lanes:
             self.buckets += [b for b in ROW_BUCKETS if max_lanes < b < prompt_rows] + [prompt_rows]
         self.max_lanes, self.max_rows, self.prompts = max_lanes, self.buckets[-1], prompt_rows > 0
-        r, n = self.max_rows, max_lanes
-        # Rows (tokens, positions, slots, lengths, feed rows, table rows): [6, r]; logit rows [n]; tables
+        self.max_logits = min(max_lanes * (1 + draft_tokens), self.max_rows)
+        self.passes = {"decode": 0, "prompt": 0, "drafted": 0}  # passes run (replayed where captured), by their rows
+        r, n, m = self.max_rows, max_lanes, self.max_logits
+        # Rows (tokens, positions, slots, lengths, feed rows, table rows): [6, r]; logit rows [m]; tables
         # [n, width] (int64, one transfer). On CUDA staged in page-locked buffers taken in turn: the copy of a
         # pass queued behind the running one may not have run when the next is packed (two in flight at most).
-        total = 6 * r + n + n * self.width
+        total = 6 * r + m + n * self.width
         staging = PinnedRing(3, total, torch.int64) if decoder.device.type == "cuda" else None
         self._hosts = [staging.take() for _ in range(3)] if staging is not None else [torch.zeros(total, dtype=torch.int64)]
         for host in self._hosts:
             host.zero_()
         self._turn = 0
         self._device = torch.zeros(total, dtype=torch.int64, device=decoder.device)
-        self._drawn_tokens = torch.zeros(n, dtype=torch.int64, device=decoder.device)  # the last replay's draws
+        self._drawn_tokens = torch.zeros(m, dtype=torch.int64, device=decoder.device)  # the last replay's draws
         self._rows = [[None] * n for _ in self._hosts]  # the blocks each table row of each buffer holds
         self._count = np.arange(r, dtype=np.int64)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -73,10 +78,10 @@ class DecodeGraphs:
 
     def _views(self, size: int, outputs: int | None = None):
         """decode_step's inputs for a bucket of `size` rows; `outputs` logit rows (default: as many as fit)."""
-        r, n, d = self.max_rows, self.max_lanes, self._device
+        r, n, m, d = self.max_rows, self.max_lanes, self.max_logits, self._device
         rows = [d[i * r : i * r + size] for i in (0, 1, 2, 3)]
-        tables = d[6 * r + n :].view(n, self.width)
-        logit_rows = d[6 * r : 6 * r + (min(size, n) if outputs is None else outputs)]
+        tables = d[6 * r + m :].view(n, self.width)
+        logit_rows = d[6 * r : 6 * r + (min(size, m) if outputs is None else outputs)]
         return (*rows, tables, d[5 * r : 5 * r + size], logit_rows)
 
     def _feed_rows(self, size: int) -> torch.Tensor:
@@ -113,7 +118,7 @@ class DecodeGraphs:
         else:
             host[0:used], host[4 * r : 4 * r + used] = 0, feed  # fed rows: their tokens are read on the device
         host[r : r + used] = starts if offsets is None else starts + np.asarray(offsets)  # M-RoPE streams rotate past their grids
-        tables = host[6 * r + self.max_lanes :].reshape(self.max_lanes, self.width)
+        tables = host[6 * r + self.max_logits :].reshape(self.max_lanes, self.width)
         host[2 * r : 2 * r + used] = tables[self._count[:used], starts // bs] * bs + starts % bs
         host[3 * r : 3 * r + used] = starts + 1
         if feed is None:
@@ -122,13 +127,14 @@ class DecodeGraphs:
         host[used:size], host[r + used : r + size], host[2 * r + used : 2 * r + size] = 0, 0, scratch * bs
         host[3 * r + used : 3 * r + size], host[4 * r + used : 4 * r + size] = 1, -1
         host[5 * r : 5 * r + size] = self._count[:size]  # every row its own table row
-        host[6 * r : 6 * r + min(size, self.max_lanes)] = self._count[: min(size, self.max_lanes)]
+        outputs = min(size, self.max_logits)
+        host[6 * r : 6 * r + outputs] = self._count[:outputs]
 
     def _fill_prompts(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], size: int,
                       offsets: Sequence[int] | None = None) -> None:
-        """Rows of prompts and decode rows: a piece's rows share its table row; the head reads each
-        piece's last row where its logits are asked for."""
-        r, n, bs = self.max_rows, self.max_lanes, self.block_size
+        """Rows of prompts, drafted lanes and decode rows: a piece's rows share its table row; the head reads
+        each piece's last row, or all its rows, as its logits ask."""
+        r, bs = self.max_rows, self.block_size
         at = out = 0
         for i, p in enumerate(pieces):
             k, positions = len(p.tokens), np.arange(p.start, p.end, dtype=np.int64)
@@ -140,18 +146,21 @@ class DecodeGraphs:
             if p.logits == "last":
                 host[6 * r + out] = at + k - 1
                 out += 1
+            elif p.logits == "all":
+                host[6 * r + out : 6 * r + out + k] = self._count[at : at + k]
+                out += k
             at += k
         host[4 * r : 4 * r + size] = -1
         scratch = self.decoder.kv.scratch_block
         host[at:size], host[r + at : r + size], host[2 * r + at : 2 * r + size] = 0, 0, scratch * bs
         host[3 * r + at : 3 * r + size], host[5 * r + at : 5 * r + size] = 1, 0  # padding: the scratch slot
-        host[6 * r + out : 6 * r + min(size, n)] = 0
+        host[6 * r + out : 6 * r + min(size, self.max_logits)] = 0
         self._tables(host, cached, pieces, len(pieces))
 
     def _tables(self, host: np.ndarray, cached: list, pieces: Sequence[Piece], count: int) -> None:
         """Table rows 0..count: a row is rewritten only when its blocks change (rarely, in decode)."""
         r, n, scratch = self.max_rows, self.max_lanes, self.decoder.kv.scratch_block
-        tables = host[6 * r + n :].reshape(n, self.width)
+        tables = host[6 * r + self.max_logits :].reshape(n, self.width)
         for row in range(count):
             blocks = pieces[row].blocks if row < len(pieces) else ()
             if cached[row] is not blocks and cached[row] != blocks:
@@ -189,20 +198,22 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
 
     def fits(self, pieces: Sequence[Piece]) -> bool:
-        """Decode rows, one a lane; or, with prompts, up to `max_rows` rows whose prompts are short enough."""
+        """Decode rows, one a lane; or, with prompts, up to `max_rows` rows whose prompts (and drafts) are
+        short enough, with at most `max_logits` rows whose logits are asked for."""
         if not 0 < len(pieces) <= self.max_lanes:
             return False
         if all(len(p.tokens) == 1 and p.logits == "last" and len(p.blocks) <= self.width for p in pieces):
             return True
         if not self.prompts:
             return False
-        rows = attention = 0
+        rows = attention = outputs = 0
         for p in pieces:
-            if p.logits == "all" or len(p.blocks) > self.width:
+            if len(p.blocks) > self.width:
                 return False
             rows += len(p.tokens)
+            outputs += p.logit_rows
             attention += len(p.tokens) * p.end if len(p.tokens) > 1 else 0
-        return rows <= self.max_rows and attention <= PROMPT_ATTENTION
+        return rows <= self.max_rows and outputs <= self.max_logits and attention <= PROMPT_ATTENTION
 
     @property
     def feeds(self) -> bool:
@@ -212,8 +223,8 @@ class DecodeGraphs:
     def run(self, pieces: Sequence[Piece], offsets: Sequence[int] | None = None,
             feed: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the smallest bucket holding `pieces` (`fits`): logits [R, vocab] of the rows whose logits
-        are asked for (each "last" piece's last row, in order) and their greedy draws [2, R]
-        (`sampling.greedy_draw`), computed inside the graph.
+        are asked for (each "last" piece's last row, each "all" piece's every row, in order) and their greedy
+        draws [2, R] (`sampling.greedy_draw`), computed inside the graph.
 
         `feed`: for each row, the row of the last replay whose draw is its token (that replay may still be
         running; its pieces' tokens are then not read). Not captured (tensor-parallel ranks: their
@@ -223,7 +234,11 @@ class DecodeGraphs:
         if feed is not None:  # fed rows are decode rows
             rows = outputs = len(pieces)
         else:
-            rows, outputs = sum(len(p.tokens) for p in pieces), sum(p.logits == "last" for p in pieces)
+            rows, outputs = sum(len(p.tokens) for p in pieces), sum(p.logit_rows for p in pieces)
+        if rows == len(pieces):
+            self.passes["decode"] += 1
+        else:  # "drafted": some lane's every row read (a draft's, or a prompt's logprobs)
+            self.passes["drafted" if any(p.logits == "all" and len(p.tokens) > 1 for p in pieces) else "prompt"] += 1
         if not self._graphs:
             if feed is not None:
                 raise ValueError("fed rows need captured graphs")

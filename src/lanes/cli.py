@@ -22,6 +22,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render the prompt as one user message through the chat template")
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    gen.add_argument("--kv-cache", choices=["auto", "fp8"], default="auto", help="the KV cache's number format")
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -38,7 +39,7 @@ async def _generate(args: argparse.Namespace) -> None:
     from .loader import load_model
 
     placement = choose(args.device, args.dtype)
-    model = load_model(resolve_model(args.model), placement, kv_bytes=64 << 20)
+    model = load_model(resolve_model(args.model), placement, kv_bytes=64 << 20, kv_cache=args.kv_cache)
     tokenizer = model.tokenizer
     if args.chat:
         prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": args.prompt}]))

@@ -17,6 +17,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--kv-cache", choices=["auto", "fp8"], default="auto",
+                        help="the KV cache's number format: auto (the model's dtype) or fp8 (e4m3 with a power-of-two "
+                             "scale a token's head: half of bf16's bytes, a quarter of fp32's)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
                         help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
     parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")

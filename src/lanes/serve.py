@@ -66,10 +66,12 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     followers = None
     if spec is None:
         # Enough KV for every lane to hold a whole context, if the budget allows.
-        model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len), vision=args.vision)
+        model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len), vision=args.vision,
+                           kv_cache=args.kv_cache)
     else:
         comm, control = join(spec, placement.device)
-        model = load_model(path, placement, shard=Shard(0, spec.world), comm=comm, kv_blocks=kv_blocks(args))
+        model = load_model(path, placement, shard=Shard(0, spec.world), comm=comm, kv_blocks=kv_blocks(args),
+                           kv_cache=args.kv_cache)
         startup_barrier(0)
         followers = Followers(control, spec.world)
     max_model_len = model_length(args, model)
@@ -78,7 +80,8 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
     grammars.warm()  # the grammar engine's tokenizer (~0.5 s for 49k tokens), before the first constrained request
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
-                           graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher)
+                           graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher,
+                           draft_tokens=args.draft_tokens if args.draft or args.draft_model else 0)
     if followers is not None:
         backend = FollowersBackend(backend, followers)
     backend = MeteredBackend(backend)  # pass times for /metrics
@@ -106,7 +109,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    send_buffer=args.send_buffer, tp=spec.world if spec else 1, followers=followers,
                    vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
                    pass_times=backend.statistics, draft_method=method,
-                   grammars=grammars)
+                   grammars=grammars, kv_cache=model.decoder.kv.describe())
 
 
 def draft_source(args: argparse.Namespace, model, placement):
@@ -115,7 +118,7 @@ def draft_source(args: argparse.Namespace, model, placement):
         from .drafts.model import DraftModel
 
         draft = load_model(resolve_model(args.draft_model), placement,
-                           kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
+                           kv_max_blocks=args.lanes * blocks_for(args.max_model_len), kv_cache=args.kv_cache)
         if not draft.tokenizer.same_as(model.tokenizer) or draft.config.vocab_size != model.config.vocab_size:
             raise NotAvailable(f"--draft-model {args.draft_model}: its tokenizer is not the served model's")
         return DraftModel(draft), "model"

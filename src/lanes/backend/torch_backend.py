@@ -3,7 +3,9 @@ device, and one host read-back a pass; run through the device's runner so the ev
 
 On CUDA with captured graphs its shape `feeds`: a fed decode pass is queued behind the running one and
 reads its tokens from that one's draws on the device, and plain greedy passes read back into page-locked
-buffers, so a pass's result is waited for on its own event while the pass behind it runs.
+buffers, so a pass's result is waited for on its own event while the pass behind it runs. Drafted lanes'
+rows take the graphs too (with `draft_tokens`): greedy ones read their acceptance from the graph's draws,
+sampled ones are drawn from the replay's logits at every row.
 """
 
 from __future__ import annotations
@@ -34,17 +36,18 @@ class TorchBackend:
     """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
 
     def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None,
-                 graphs: bool = True, capture: bool = True, grammars: Callable[[Grammar], Matcher] | None = None) -> None:
+                 graphs: bool = True, capture: bool = True, grammars: Callable[[Grammar], Matcher] | None = None,
+                 draft_tokens: int = 0) -> None:
         self.model = model
         self.decoder = model.decoder
         self.runner = runner
         length = min(max_model_len or model.config.max_position, model.config.max_position)
         kv = model.decoder.kv
         self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
-                                   bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
+                                   bytes_per_block=kv.bytes_per_block)
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
         self.grammars = LaneGrammars(model.config.vocab_size, grammars)  # matchers from `grammars`, if given
-        self.graphs = fast_decode(model, lanes, length, graphs)
+        self.graphs = fast_decode(model, lanes, length, graphs, draft_tokens)
         tower = model.vision
         self.vision = VisionLanes(tower, tower.config.merge_size, model.placement.device) if tower is not None else None
         if self.graphs is not None and capture:
@@ -53,7 +56,8 @@ class TorchBackend:
         feeds = self.graphs is not None and self.graphs.feeds and model.decoder.shard.world == 1
         self._shape = replace(self._shape, feeds=feeds)
         # Two passes in flight at most (the one waited for, the one queued behind it); two spare.
-        self._pinned = PinnedRing(4, 2 * lanes) if model.placement.is_cuda else None
+        self._pinned_rows = lanes * (1 + draft_tokens)  # the draws a pinned buffer holds: every drafted row's
+        self._pinned = PinnedRing(4, 2 * self._pinned_rows) if model.placement.is_cuda else None
         self._queued: tuple[Plan, _Pending] | None = None  # a pass queued behind the last one stepped
         self._last_rows: dict[int, int] = {}  # lane -> row of the last fast decode pass launched
 
@@ -114,12 +118,13 @@ class TorchBackend:
             raise ValueError("this backend cannot run fed plans")
         self.penalties.flush()  # the lanes bound and freed since the last pass, written on this pass's stream
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
-        masks = None if plan.plain else self.grammars.masks_beside(plan.work)  # on the host while the forward runs
+        greedy_drafts = not plan.plain and plan.drafted > 0 and all_greedy(plan)
+        plain = plan.plain or greedy_drafts
+        masks = None if plain else self.grammars.masks_beside(plan.work)  # on the host while the forward runs
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
-        if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
-            read = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
-            self._last_rows = {p.lane: row for row, p in enumerate(read)}
-        if plan.plain:  # the planner's choice: every row a plain greedy draw
+        if greedy is not None:  # the draws buffer holds a row for each row whose logits are read
+            self._last_rows = last_rows(plan)
+        if plain:  # every row a plain greedy draw (a drafted lane's rows each one)
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
         return _Pending(self._general_result(plan, logits, masks))
 
@@ -185,8 +190,8 @@ class TorchBackend:
         """A pass whose every row is plain greedy, from its draws [2, R] float64: one small read-back, on
         CUDA into a page-locked buffer behind which the pass's own event is recorded."""
         rows = drawn.shape[1]
-        if self._pinned is None:
-            return _Pending(lambda: _greedy_sampled(plan, drawn.reshape(-1).numpy()))
+        if self._pinned is None or rows > self._pinned_rows:  # more drafted rows than `draft_tokens` made room for
+            return _Pending(lambda: _greedy_sampled(plan, drawn.reshape(-1).cpu().numpy()))
         host = self._pinned.take()[: 2 * rows]
         host.copy_(drawn.reshape(-1), non_blocking=True)
         return _Pending(lambda: _greedy_sampled(plan, host.numpy()), self.runner.record())
@@ -274,20 +279,53 @@ _NO_TOP = ((),)
 
 
 def _greedy_sampled(plan: Plan, drawn: np.ndarray) -> PassResult:
-    """`drawn`: a pass's greedy draws [2, R] float64, flat (ids are exact in float64)."""
-    rows = len(plan.work)
+    """`drawn`: a pass's greedy draws [2, R] float64, flat (ids are exact in float64): one a work, or a
+    drafted work's one a row, of which the draft's confirmed tokens and the draw after them are kept."""
+    rows = drawn.shape[0] // 2
     tokens, logprobs = drawn[:rows].astype(np.int64).tolist(), drawn[rows : 2 * rows].tolist()
-    sampled = tuple(Sampled((t,), (lp if w.sample.params.logprobs else None,), _NO_TOP)
-                    for w, t, lp in zip(plan.work, tokens, logprobs))
-    return PassResult(sampled, (None,) * rows)
+    if not plan.drafted:
+        sampled = tuple(Sampled((t,), (lp if w.sample.params.logprobs else None,), _NO_TOP)
+                        for w, t, lp in zip(plan.work, tokens, logprobs))
+        return PassResult(sampled, (None,) * len(plan.work))
+    out, at = [], 0
+    for w in plan.work:
+        n = len(w.piece.tokens) if w.draft else 1
+        kept = accepted(w.draft, tokens[at : at + n]) if w.draft else 1
+        wants = w.sample.params.logprobs
+        out.append(Sampled(tuple(tokens[at : at + kept]), tuple(logprobs[at : at + kept]) if wants else (None,) * kept,
+                           ((),) * kept))
+        at += n
+    return PassResult(tuple(out), (None,) * len(plan.work))
 
 
-def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool) -> DecodeGraphs | None:
-    """The fast decode step's buffers (captured later, or not), where the device has it."""
+def all_greedy(plan: Plan) -> bool:
+    """Every work a plain greedy draw with nothing else read (drafted works' every row, the others' last)."""
+    return all(w.sample is not None and w.sample.params.plain and not w.targets and not w.labels
+               and w.piece.logits == ("all" if w.draft else "last") for w in plan.work)
+
+
+def last_rows(plan: Plan) -> dict[int, int]:
+    """Each lane whose piece reads its last row only: that row among the pass's draws (what a fed row reads)."""
+    if plan.fed or not plan.drafted:
+        pieces = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
+        return {p.lane: row for row, p in enumerate(pieces)}
+    rows, at = {}, 0
+    for p in plan.pieces:
+        if p.logits == "last":
+            rows[p.lane] = at
+        at += p.logit_rows
+    return rows
+
+
+def fast_decode(model: LoadedModel, lanes: int, length: int, wanted: bool, draft_tokens: int = 0) -> DecodeGraphs | None:
+    """The fast decode step's buffers (captured later, or not), where the device has it; with `draft_tokens`,
+    room in every graph for each lane's drafted rows' logits."""
     if not graphs_enabled(model.placement.device, wanted):
         return None
     # Tensor-parallel ranks run uncaptured, on exactly the general forward's shapes: decode rows only.
-    return DecodeGraphs(model.decoder, lanes, length, PROMPT_ROWS if model.decoder.shard.world == 1 else 0)
+    if model.decoder.shard.world > 1:
+        return DecodeGraphs(model.decoder, lanes, length)
+    return DecodeGraphs(model.decoder, lanes, length, PROMPT_ROWS, draft_tokens)
 
 
 def forward(decoder, fast: DecodeGraphs | None, plan: Plan, vision: VisionLanes | None = None,

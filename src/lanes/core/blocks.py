@@ -32,6 +32,14 @@ def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-tokens // block_size)
 
 
+def blocks_within(budget_bytes: int, bytes_per_block: int) -> int:
+    """How many blocks of `bytes_per_block` device bytes (every layer's K and V, an fp8 cache's exponents
+    too) a memory budget holds; at least one."""
+    if bytes_per_block <= 0:
+        raise ValueError("a block takes at least one byte")
+    return max(1, budget_bytes // bytes_per_block)
+
+
 @dataclass(frozen=True)
 class PoolStats:
     total: int

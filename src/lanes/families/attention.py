@@ -94,9 +94,10 @@ class Attention:
         the rows' K and V into their slots first."""
         q, k, v = self.heads_of(self.qkv(h))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache_k, cache_v = kv.layer(self.index)
-        write_kv(cache_k, cache_v, paged, k, v)
-        out = paged_attention(q, cache_k, cache_v, paged, self.scale)  # [T, hq, D]
+        cache = kv.layer(self.index)
+        exponents = (cache.k_exp, cache.v_exp) if cache.fp8 else None
+        write_kv(cache.k, cache.v, paged, k, v, exponents)
+        out = paged_attention(q, cache.k, cache.v, paged, self.scale, exponents)  # [T, hq, D]
         return self.o(out.reshape(h.shape[0], self.heads * self.head_dim))
 
     __call__ = forward
@@ -116,10 +117,11 @@ class Attention:
             b = qkv.shape[0]
             q, k, v = self.heads_of(qkv)
             qkv = torch.cat([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], dim=-1)
-        cache_k, cache_v = kv.layer(self.index)
-        q = kernels.rope_write_kv(qkv, rows.positions, rows.slots, rows.inv_freq, rows.rope_scale, cache_k, cache_v,
-                                  self.heads, self.kv_heads, self.head_dim, rotary_dim=self.rotary_dim)
-        attended = kernels.paged_decode_attention(q, cache_k, cache_v, rows.tables, rows.lens, self.scale, rows.block_size,
-                                                  table_rows=rows.table_rows)
+        cache = kv.layer(self.index)
+        q = kernels.rope_write_kv(qkv, rows.positions, rows.slots, rows.inv_freq, rows.rope_scale, cache.k, cache.v,
+                                  self.heads, self.kv_heads, self.head_dim, rotary_dim=self.rotary_dim,
+                                  k_exp=cache.k_exp, v_exp=cache.v_exp)
+        attended = kernels.paged_decode_attention(q, cache.k, cache.v, rows.tables, rows.lens, self.scale, rows.block_size,
+                                                  table_rows=rows.table_rows, k_exp=cache.k_exp, v_exp=cache.v_exp)
         flat = attended.reshape(-1, self.heads * self.head_dim)
         return (self.o.linear.gemv(flat) if one else self.o(flat)), residual
