@@ -13,7 +13,7 @@ from . import decisions as decision_routes
 from . import errors, parse
 from .exchange import Exchange
 from .chat import chat_completions
-from .openai_api import completions
+from .openai_api import SseStream, completions
 from .responses import responses
 from .protocol import HttpRequest, HttpResponse
 from .service import Service
@@ -124,17 +124,19 @@ class LanesApp:
             result = await run(read_json(service, request, field_status))
             if not isinstance(result, (dict, HttpResponse)):
                 streaming = True
-                return HttpResponse(200, self._held_open(result), "text/event-stream", [("cache-control", "no-cache")])
+                chunks, late = (result.chunks, result.deadline_answer) if isinstance(result, SseStream) else (result, None)
+                return HttpResponse(200, self._held_open(chunks), "text/event-stream", [("cache-control", "no-cache")],
+                                    deadline_answer=late)
             return result if isinstance(result, HttpResponse) else json_response(result)
         finally:
             if not streaming:
                 service.open_requests.leave()
 
-    async def _held_open(self, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
+    async def _held_open(self, events: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:
         """The SSE body; the request stays open (counted) until the stream ends or the client leaves."""
         try:
             async for chunk in events:
-                yield chunk.encode()
+                yield chunk if type(chunk) is bytes else chunk.encode()
         finally:
             self.service.open_requests.leave()
 
