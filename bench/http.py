@@ -14,7 +14,9 @@ the OpenAI API (streaming completions, `ignore_eos`, from client processes of th
 bytes with minimal parsing: the first `data: {` is the first token, the usage chunk gives the count).
 `cpu us/tok` is this process's CPU time (every thread, user and system; `sys` the system part) over the run,
 a streamed token; `http us/tok` is
-what the HTTP path adds to it (through HTTP less in process): the server's own cost a token.
+what the HTTP path adds to it (through HTTP less in process): the server's own cost a token. `served ttft`
+is the first token as the server saw it (from the request's head to its first event, its /metrics
+histogram): the rest of `ttft` is the clients' own time and the sockets'.
 """
 
 from __future__ import annotations
@@ -131,8 +133,8 @@ def cpu_times(since: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     return times.user + times.system - since[0], times.system - since[1]
 
 
-async def in_process(setup: Setup) -> tuple[float, float, tuple[float, float]]:
-    """(tokens/s, mean time to first token, CPU seconds) of the streams on the lane core directly."""
+async def in_process(setup: Setup) -> tuple[float, float, tuple[float, float], None]:
+    """(tokens/s, mean time to first token, CPU seconds, None) of the streams on the lane core directly."""
     core = setup.core()
     sampling = SamplingParams(temperature=0, max_tokens=setup.new, ignore_eos=True)
     firsts, produced = [], 0
@@ -158,11 +160,12 @@ async def in_process(setup: Setup) -> tuple[float, float, tuple[float, float]]:
         await core.shutdown(0)
     core.check_integrity()
     assert produced == setup.new * setup.streams, produced
-    return produced / took, statistics.mean(firsts), cpu
+    return produced / took, statistics.mean(firsts), cpu, None
 
 
-async def through_http(setup: Setup, processes: int) -> tuple[float, float, tuple[float, float]]:
-    """(tokens/s, mean time to first token, CPU seconds) of the same streams through the server."""
+async def through_http(setup: Setup, processes: int) -> tuple[float, float, tuple[float, float], float]:
+    """(tokens/s, mean time to first token, CPU seconds, the mean first token as the server saw it: from
+    the request's head to its first token's event) of the same streams through the server."""
     from lanes.http.service import Service
     from lanes.runtime import Runtime
 
@@ -200,7 +203,10 @@ async def through_http(setup: Setup, processes: int) -> tuple[float, float, tupl
     produced = sum(value[0] for _, value in replies)
     assert produced == setup.new * setup.streams, produced
     began, ended = min(value[1] for _, value in replies), max(value[2] for _, value in replies)
-    return produced / (ended - began), statistics.mean(t for _, value in replies for t in value[3]), cpu
+    sample = service.metrics.registry.get_sample_value
+    labels = {"model_name": "bench"}
+    served = sample("lanes_time_to_first_token_seconds_sum", labels) / sample("lanes_time_to_first_token_seconds_count", labels)
+    return produced / (ended - began), statistics.mean(t for _, value in replies for t in value[3]), cpu, served
 
 
 USAGE = re.compile(rb'"completion_tokens": ?(\d+)')
@@ -297,14 +303,15 @@ def main() -> None:
     print(f"\nthe engine on {device}; prompt {args.prompt}, {args.new} new tokens a stream, median of {args.runs}; "
           f"{processes} client processes")
     print(f"{'streams':>7} {'path':>10} {'tok/s':>8} {'ttft ms':>8} {'cpu us/tok':>10} {'sys':>5}  {'x tok/s':>7} "
-          f"{'x ttft':>7} {'http us/tok':>11}")
+          f"{'x ttft':>7} {'http us/tok':>11} {'served ttft':>11}")
     for n, median in rows:
-        (rate, ttft, (cpu, sys_cpu)), tokens = median["in process"], n * args.new
+        (rate, ttft, (cpu, sys_cpu), _), tokens = median["in process"], n * args.new
         print(f"{n:>7} {'in process':>10} {rate:>8.0f} {ttft * 1e3:>8.1f} {cpu / tokens * 1e6:>10.1f} "
               f"{sys_cpu / tokens * 1e6:>5.1f}")
-        (h_rate, h_ttft, (h_cpu, h_sys)) = median["HTTP"]
+        (h_rate, h_ttft, (h_cpu, h_sys), served) = median["HTTP"]
         print(f"{n:>7} {'HTTP':>10} {h_rate:>8.0f} {h_ttft * 1e3:>8.1f} {h_cpu / tokens * 1e6:>10.1f} "
-              f"{h_sys / tokens * 1e6:>5.1f}  {h_rate / rate:>7.2f} {h_ttft / ttft:>7.2f} {(h_cpu - cpu) / tokens * 1e6:>11.1f}")
+              f"{h_sys / tokens * 1e6:>5.1f}  {h_rate / rate:>7.2f} {h_ttft / ttft:>7.2f} "
+              f"{(h_cpu - cpu) / tokens * 1e6:>11.1f} {served * 1e3:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -124,19 +124,21 @@ class LanesApp:
             result = await run(read_json(service, request, field_status))
             if not isinstance(result, (dict, HttpResponse)):
                 streaming = True
-                chunks, late = (result.chunks, result.deadline_answer) if isinstance(result, SseStream) else (result, None)
-                return HttpResponse(200, self._held_open(chunks), "text/event-stream", [("cache-control", "no-cache")],
-                                    deadline_answer=late)
+                if isinstance(result, SseStream):  # the server closes it, however the answer ends
+                    result.on_end = service.open_requests.leave
+                    return HttpResponse(200, result, "text/event-stream", [("cache-control", "no-cache")],
+                                        deadline_answer=result.deadline_answer)
+                return HttpResponse(200, self._held_open(result), "text/event-stream", [("cache-control", "no-cache")])
             return result if isinstance(result, HttpResponse) else json_response(result)
         finally:
             if not streaming:
                 service.open_requests.leave()
 
-    async def _held_open(self, events: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:
+    async def _held_open(self, events: AsyncIterator[str]) -> AsyncIterator[bytes]:
         """The SSE body; the request stays open (counted) until the stream ends or the client leaves."""
         try:
             async for chunk in events:
-                yield chunk if type(chunk) is bytes else chunk.encode()
+                yield chunk.encode()
         finally:
             self.service.open_requests.leave()
 

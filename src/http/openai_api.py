@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence
 
 import trio
@@ -81,13 +80,29 @@ DONE = b"data: [DONE]\n\n"
 MARK = "\x00"  # a text that stands for a delta's text in a choice's template (json writes it "\u0000")
 
 
-@dataclass(frozen=True)
 class SseStream:
     """A streamed answer: its SSE bytes, a batch of events at a time, and what ends it if the request's
-    deadline passes on the way (the server keeps that deadline: one cancel scope a request)."""
+    deadline passes on the way (the server keeps that deadline: one cancel scope a request). `aclose` (the
+    server's, always) closes the streams and calls `on_end` even when the body never began."""
 
-    chunks: AsyncIterator[bytes]
-    deadline_answer: tuple[int, bytes]
+    def __init__(self, streams, chunks: AsyncIterator[bytes], deadline_answer: tuple[int, bytes]) -> None:
+        self.deadline_answer = deadline_answer
+        self.on_end: Callable[[], None] | None = None  # set by the application: the request's open slot given back
+        self._streams, self._chunks = streams, chunks
+
+    def __aiter__(self) -> "SseStream":
+        return self
+
+    def __anext__(self):
+        return self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            await close_all(self._streams)  # idempotent; the body's own finally has run if it began
+            if self.on_end is not None:
+                self.on_end()
 
 
 class SseChunks:
@@ -124,7 +139,7 @@ def stream_body(streams, common, head: dict, exchange: Exchange, opening: list[d
     each still its own chunk of OpenAI's shape."""
     sse_chunks = SseChunks(head, plain, len(streams))
     late = errors.deadline_exceeded()
-    return SseStream(_body(streams, common, exchange, opening, token, finish, sse_chunks),
+    return SseStream(streams, _body(streams, common, exchange, opening, token, finish, sse_chunks),
                      (late.status, sse(late.body()).encode() + DONE))
 
 

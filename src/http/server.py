@@ -243,6 +243,11 @@ class Connection:
             headers.append(("connection", "close"))
         if not response.streamed:
             headers.append(("content-length", str(len(response.body))))
+        # A stream to an HTTP/1.1 client is chunked by us (RFC 9112's framing, h11 writes the last chunk):
+        # h11's own framing of a chunk costs as much as the rest of a streamed token's write.
+        framed = response.streamed and self.h11.their_http_version == b"1.1"
+        if framed:
+            headers.append(("transfer-encoding", "chunked"))
         try:
             head = self.h11.send(h11.Response(status_code=response.status, headers=headers))
         except h11.LocalProtocolError:
@@ -254,15 +259,16 @@ class Connection:
             data = b"" if bodiless else self.h11.send(h11.Data(data=response.body))
             await self._send(head + data + self.h11.send(h11.EndOfMessage()), late)
             return response.status
-        await self._send(head, late)
         answer = response.deadline_answer
         # One cancel scope for the whole stream (not one a chunk): the body's waits end at the deadline.
         with trio.move_on_at(exchange.deadline if answer is not None else late) as waiting:
-            async with aclosing(response.body) as chunks:
+            async with aclosing(response.body) as chunks:  # closed even if the head cannot be written
+                await self._send(head, late)
                 try:
                     async for chunk in chunks:
                         if chunk and not bodiless:
-                            await self._send(self.h11.send(h11.Data(data=chunk)), late)
+                            await self._send(b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed
+                                             else self.h11.send(h11.Data(data=chunk)), late)
                 except Exception as error:
                     if isinstance(error, Gone):
                         raise
@@ -272,7 +278,8 @@ class Connection:
             if answer is None or self._partial:
                 raise Gone  # a chunk cut half-way: nothing more can be written on this connection
             exchange.status = answer[0]
-            await self._send(self.h11.send(h11.Data(data=answer[1])) + self.h11.send(h11.EndOfMessage()), late)
+            last = b"%x\r\n%b\r\n" % (len(answer[1]), answer[1]) if framed else self.h11.send(h11.Data(data=answer[1]))
+            await self._send((b"" if bodiless else last) + self.h11.send(h11.EndOfMessage()), late)
             return answer[0]
         await self._send(self.h11.send(h11.EndOfMessage()), late)
         return exchange.status or response.status
