@@ -2,7 +2,7 @@
 CPU time a streamed token.
 
     python bench/http.py [--streams 64,256] [--new 128] [--prompt 16] [--pass-ms 2] [--runs 3]
-    python bench/http.py --model PATH --device cuda [--streams 64] [--prompt 128] [--new 128]
+    python bench/http.py --model PATH|random --device cuda [--streams 64] [--prompt 128] [--new 128]
 
 Without `--model` the engine runs on a stand-in device whose every pass takes `--pass-ms` of wall time
 (the event loop runs on meanwhile, as it does while the GPU works) and draws fixed tokens at no cost: the
@@ -13,7 +13,8 @@ Each setting runs the same streams twice: in process (one task a stream reading 
 the OpenAI API (streaming completions, `ignore_eos`, from client processes of their own that read the SSE
 bytes with minimal parsing: the first `data: {` is the first token, the usage chunk gives the count).
 `cpu us/tok` is this process's CPU time (every thread, user and system; `sys` the system part) over the run,
-a streamed token; `http us/tok` is
+a streamed token, the least of the runs (other work on the host only ever adds to it); tokens/s and first
+tokens are the median run's; `http us/tok` is
 what the HTTP path adds to it (through HTTP less in process): the server's own cost a token. `served ttft`
 is the first token as the server saw it (from the request's head to its first event, its /metrics
 histogram): the rest of `ttft` is the clients' own time and the sockets'.
@@ -88,15 +89,52 @@ def byte_tokenizer(folder: Path):
 
     from lanes.text.tokenizer import Tokenizer
 
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = iter(sorted(set(range(256)) - set(printable)))
-    stand_in = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}  # GPT-2's alphabet
-    words = Backend(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
+    stand_in = byte_alphabet()
+    words = Backend(models.BPE(vocab={c: b for b, c in enumerate(stand_in)}, merges=[]))
     words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     words.decoder = decoders.ByteLevel()
     words.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": stand_in[1]}))
     return Tokenizer.from_folder(folder, VOCAB)
+
+
+def random_model(folder: Path) -> Path:
+    """bench/gpu.py's Qwen2.5-0.5B-shaped model (random bf16 weights, a fixed seed), saved once, with a byte-level
+    tokenizer over its whole vocabulary (the 256 bytes, then strings of letters), so that every token it
+    draws has text, and a chat of its own streams."""
+    import importlib.util
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    target = folder / "random-qwen"
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).with_name("gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    say("building the random model ...")
+    gpu.build(target)
+    vocab = {c: i for i, c in enumerate(byte_alphabet())}
+    words = (("".join(w) for w in itertools.product(string.ascii_lowercase, repeat=k)) for k in range(2, 5))
+    for word in itertools.chain.from_iterable(words):
+        if len(vocab) == gpu.SHAPE["vocab_size"]:
+            break
+        vocab[word] = len(vocab)
+    text = Backend(models.BPE(vocab=vocab, merges=[]))
+    text.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text.decoder = decoders.ByteLevel()
+    text.save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": byte_alphabet()[1]}))
+    return target
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
 
 
 class Setup:
@@ -114,9 +152,10 @@ class Setup:
             from lanes.gpu.device import choose, runner_for
             from lanes.loader import load_model
 
-            say(f"loading {args.model} ...")
+            path = random_model(folder) if args.model == "random" else Path(args.model)
+            say(f"loading {path} ...")
             placement = choose(args.device, args.dtype)
-            model = load_model(Path(args.model), placement, kv_blocks=streams * blocks_for(context) + 16)
+            model = load_model(path, placement, kv_blocks=streams * blocks_for(context) + 16)
             self.backend = TorchBackend(model, runner_for(placement), lanes=streams, max_model_len=context)
             self.tokenizer, self.family, self.vocab = model.tokenizer, model.config.family, model.config.vocab_size
         self.prompts = [[(7 * i + 13 * j) % (self.vocab - 2) + 2 for j in range(args.prompt)] for i in range(streams)]
@@ -281,7 +320,8 @@ def main() -> None:
     parser.add_argument("--pass-ms", type=float, default=2.0, help="the stand-in device's pass (without --model)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each setting, interleaved; the median is shown")
     parser.add_argument("--clients", type=int, default=0, help="client processes (0: half the CPUs, 1 to 8)")
-    parser.add_argument("--model", default=None, help="a model folder or GGUF file: run it instead of the stand-in")
+    parser.add_argument("--model", default=None, help="a model folder or GGUF file, or `random` (bench/gpu.py's "
+                        "Qwen2.5-0.5B shape): run it instead of the stand-in")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--profile", default=None, help="write cProfile's stats of the server's last HTTP run here")
@@ -298,10 +338,12 @@ def main() -> None:
                 say(f"{n} streams, run {i + 1} of {args.runs} ...")
                 runs["in process"].append(trio.run(in_process, setup))
                 runs["HTTP"].append(profiled(args.profile, through_http, setup, min(processes, n)))
-            rows.append((n, {path: sorted(r)[len(r) // 2] for path, r in runs.items()}))  # the median run, by tok/s
+            median = {path: sorted(r)[len(r) // 2] for path, r in runs.items()}  # the median run, by tok/s
+            least = {path: min(run[2] for run in r) for path, r in runs.items()}  # contention only adds CPU time
+            rows.append((n, {path: (*run[:2], least[path], run[3]) for path, run in median.items()}))
     device = f"{args.model} on {args.device}" if args.model else f"a fixed {args.pass_ms:g} ms pass"
-    print(f"\nthe engine on {device}; prompt {args.prompt}, {args.new} new tokens a stream, median of {args.runs}; "
-          f"{processes} client processes")
+    print(f"\nthe engine on {device}; prompt {args.prompt}, {args.new} new tokens a stream, median of {args.runs} "
+          f"(CPU: the least of them); {processes} client processes")
     print(f"{'streams':>7} {'path':>10} {'tok/s':>8} {'ttft ms':>8} {'cpu us/tok':>10} {'sys':>5}  {'x tok/s':>7} "
           f"{'x ttft':>7} {'http us/tok':>11} {'served ttft':>11}")
     for n, median in rows:
