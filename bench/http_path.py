@@ -1,8 +1,8 @@
 """The HTTP path beside the engine in process, in one run: tokens/s, time to first token, and the server's
 CPU time a streamed token.
 
-    python bench/http.py [--streams 64,256] [--new 128] [--prompt 16] [--pass-ms 2] [--runs 3]
-    python bench/http.py --model PATH|random --device cuda [--streams 64] [--prompt 128] [--new 128]
+    python bench/http_path.py [--streams 64,256] [--new 128] [--prompt 16] [--pass-ms 2] [--runs 3]
+    python bench/http_path.py --model PATH|random --device cuda [--streams 64] [--prompt 128] [--new 128]
 
 Without `--model` the engine runs on a stand-in device whose every pass takes `--pass-ms` of wall time
 (the event loop runs on meanwhile, as it does while the GPU works) and draws fixed tokens at no cost: the
@@ -22,12 +22,6 @@ histogram): the rest of `ttft` is the clients' own time and the sockets'.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# This file's folder comes off the path: its name would shadow the standard library's `http` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 import argparse
 import json
 import multiprocessing
@@ -36,8 +30,10 @@ import re
 import selectors
 import socket
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import trio
 
