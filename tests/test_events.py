@@ -109,3 +109,20 @@ def test_a_sender_that_closed_cannot_send():
     channel.close_sender()  # idempotent
     with pytest.raises(trio.ClosedResourceError):
         channel.send_nowait(1)
+
+
+async def test_drain_takes_every_buffered_event_in_order_and_resumes_a_full_stream_once():
+    drained = []
+    channel = EventChannel(capacity=4, on_drain=lambda: drained.append(True))
+    assert [channel.send_nowait(i) for i in range(5)] == [False, False, False, True, False]
+    assert channel.drain() == [0, 1, 2, 3, 4]
+    assert (channel.drain(), drained, channel.buffered) == ([], [True], 0)
+    channel.send_nowait(5)
+    channel.close_sender()
+    assert channel.drain() == [5]
+    assert channel.drain() == []  # none after the last, where receive gives EndOfChannel
+    with trio.fail_after(5), pytest.raises(trio.EndOfChannel):
+        await channel.receive()
+    channel.close()
+    with pytest.raises(trio.ClosedResourceError):
+        channel.drain()

@@ -13,7 +13,7 @@ from . import decisions as decision_routes
 from . import errors, parse
 from .exchange import Exchange
 from .chat import chat_completions
-from .openai_api import completions
+from .openai_api import SseStream, completions
 from .responses import responses
 from .protocol import HttpRequest, HttpResponse
 from .service import Service
@@ -124,6 +124,10 @@ class LanesApp:
             result = await run(read_json(service, request, field_status))
             if not isinstance(result, (dict, HttpResponse)):
                 streaming = True
+                if isinstance(result, SseStream):  # the server closes it, however the answer ends
+                    result.on_end = service.open_requests.leave
+                    return HttpResponse(200, result, "text/event-stream", [("cache-control", "no-cache")],
+                                        deadline_answer=result.deadline_answer)
                 return HttpResponse(200, self._held_open(result), "text/event-stream", [("cache-control", "no-cache")])
             return result if isinstance(result, HttpResponse) else json_response(result)
         finally:

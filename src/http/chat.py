@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import AsyncIterator
 
 import trio
 
@@ -18,7 +17,8 @@ from ..tools.parser import ToolCallParser, parse as parse_calls
 from . import errors, parse
 from .exchange import Exchange
 from .generation import Choice, collect
-from .openai_api import check_model, finish_reason, stream_body, submit, token_text, usage, with_media
+from .offload import sized, text_size
+from .openai_api import SseStream, check_model, finish_reason, stream_body, submit, token_text, usage, with_media
 from .service import Service
 from .structured import constrained, wanted_of
 from .tool_calls import ToolRequest, call_id, delta_of, message_calls, new_parser, tool_request
@@ -38,7 +38,8 @@ async def chat_prompt(service: Service, messages: list[dict], tools: ToolRequest
         renders = dataclasses.replace(renders, tools=True)  # listed by the tool system already
     messages, offered = prompting.prepare(messages, offered, service.tool_format, renders)
     try:
-        prompt = tokenizer.encode_chat(messages, tools=offered, **template)
+        size = text_size(messages) + text_size(offered) + text_size(template)
+        prompt = await sized(size, tokenizer.encode_chat, messages, tools=offered, **template)
     except ChatTemplateError as error:
         raise errors.chat_template(str(error)) from None
     return await with_media(service, prompt, parts, deadline, "messages", room_for=max_tokens)
@@ -64,7 +65,7 @@ async def chat_completions(service: Service, body: dict, exchange: Exchange):
     streams = await submit(service, prompt, common, deadline, "messages", media)
     head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
     if common.stream:
-        return chat_sse(service, streams, common, tools, head, deadline, exchange)
+        return chat_sse(service, streams, common, tools, head, exchange)
     choices = await collect(streams, deadline, exchange.timing)
     exchange.completion_tokens = sum(len(c.tokens) for c in choices)
     return {
@@ -89,7 +90,7 @@ def answer(service: Service, tools: ToolRequest, choice: Choice) -> dict:
     return {"message": message, "finish_reason": "tool_calls" if called else choice.finish_reason}
 
 
-def chat_sse(service, streams, common, tools: ToolRequest, head, deadline, exchange) -> AsyncIterator[str]:
+def chat_sse(service, streams, common, tools: ToolRequest, head, exchange) -> SseStream:
     opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                for index in range(len(streams))]
     parsers: list[ToolCallParser | None] = [new_parser(service.tool_format, tools) for _ in streams]
@@ -102,7 +103,12 @@ def chat_sse(service, streams, common, tools: ToolRequest, head, deadline, excha
         found = parser.push(text) + (parser.finish() if end else [])
         return [delta_of(d, ids[index]) for d in found]
 
-    def token(index: int, event: TokenEvent) -> list[dict]:
+    def plain(index: int, text: str) -> dict:
+        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+
+    def token(index: int, event: TokenEvent) -> list[dict] | str | None:
+        if parsers[index] is None and not common.sampling.logprobs:
+            return event.text or None  # a plain delta, from its template
         logprobs = {"content": [chat_logprob(service, event)]} if common.sampling.logprobs else None
         made = deltas(index, event.text)
         if not made and logprobs:
@@ -118,5 +124,5 @@ def chat_sse(service, streams, common, tools: ToolRequest, head, deadline, excha
         last = {"index": index, "delta": made.pop() if made else {}, "logprobs": None, "finish_reason": reason}
         return [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in made] + [last]
 
-    return stream_body(streams, common, {**head, "object": "chat.completion.chunk"}, deadline, exchange,
-                       opening, token, finish)
+    return stream_body(streams, common, {**head, "object": "chat.completion.chunk"}, exchange, opening, token, finish,
+                       plain)

@@ -33,6 +33,11 @@ class Timing:
             self.gaps.append(now - self.last_token)
         self.last_token = now
 
+    def tokens(self, count: int) -> None:
+        """`count` tokens that came together (the gaps between them are nothing)."""
+        self.token()
+        self.gaps.extend([0.0] * (count - 1))
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.started

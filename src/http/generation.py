@@ -95,6 +95,33 @@ async def collect(streams: Sequence[Stream], deadline: float, timing: Timing) ->
     return choices
 
 
+async def batches(streams: Sequence[Stream], timing: Timing) -> AsyncIterator[list[tuple[int, object]]]:
+    """Every (choice index, event) waiting across the streams, as one batch, once the first open stream has
+    one: a consumer that fell behind takes its backlog in one go. No deadline of its own: the caller (the
+    server, for a streamed answer) keeps the request's in one cancel scope.
+
+    The caller owns the streams and closes them (`close_all`), as with `events`."""
+    open_ = list(range(len(streams)))
+    while open_:
+        first = open_[0]
+        try:
+            batch = [(first, await streams[first].events.receive())]
+        except trio.EndOfChannel:
+            raise errors.internal() from None
+        for index in open_:
+            if index != first or not isinstance(batch[0][1], (Finished, Failed)):  # nothing follows a last event
+                batch.extend((index, event) for event in streams[index].events.drain())
+        tokens = 0
+        for index, event in batch:
+            if type(event) is TokenEvent:
+                tokens += 1
+            elif isinstance(event, (Finished, Failed)):
+                open_.remove(index)
+        if tokens:
+            timing.tokens(tokens)
+        yield batch
+
+
 async def events(streams: Sequence[Stream], deadline: float, timing: Timing) -> AsyncIterator[tuple[int, object]]:
     """(choice index, event) as they come, round-robin over the streams, which advance in the same passes.
 

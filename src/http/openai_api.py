@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import trio
 
@@ -15,7 +15,8 @@ from ..core.sampling import InvalidParameter
 from ..core.stream import EngineError, Finished, Failed, PromptLogprobs, TokenEvent
 from . import errors, parse, structured
 from .exchange import Exchange
-from .generation import Choice, close_all, collect, events, open_streams
+from .generation import Choice, batches, close_all, collect, open_streams
+from .offload import sized
 from .service import Service
 
 
@@ -75,33 +76,103 @@ def check_room(rows: int, room_for: int, room: int, param: str) -> None:
         raise errors.context_exceeded(rows + room_for, room, param)
 
 
-async def stream_body(streams, common, head: dict, deadline: float, exchange: Exchange, opening: list[dict],
-                      token, finish) -> AsyncIterator[str]:
+DONE = b"data: [DONE]\n\n"
+MARK = "\x00"  # a text that stands for a delta's text in a choice's template (json writes it "\u0000")
+
+
+class SseStream:
+    """A streamed answer: its SSE bytes, a batch of events at a time, and what ends it if the request's
+    deadline passes on the way (the server keeps that deadline: one cancel scope a request). `aclose` (the
+    server's, always) closes the streams and calls `on_end` even when the body never began."""
+
+    def __init__(self, streams, chunks: AsyncIterator[bytes], deadline_answer: tuple[int, bytes]) -> None:
+        self.deadline_answer = deadline_answer
+        self.on_end: Callable[[], None] | None = None  # set by the application: the request's open slot given back
+        self._streams, self._chunks = streams, chunks
+
+    def __aiter__(self) -> "SseStream":
+        return self
+
+    def __anext__(self):
+        return self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            await close_all(self._streams)  # idempotent; the body's own finally has run if it began
+            if self.on_end is not None:
+                self.on_end()
+
+
+class SseChunks:
+    """A request's `data:` chunks: the fixed head encoded once, a plain text delta from its choice's
+    template (its text the only part encoded a token), the same bytes as `sse({**head, "choices": [c]})`."""
+
+    def __init__(self, head: dict, plain: Callable[[int, str], dict] | None, choices: int) -> None:
+        self._head = head
+        opening = json.dumps({**head, "choices": []}, ensure_ascii=False)
+        self._open, self._close = f"data: {opening[:-2]}".encode(), b"]}\n\n"  # up to `"choices": [`
+        self._plain = [self._template(plain(i, MARK)) for i in range(choices)] if plain is not None else []
+
+    def _template(self, choice: dict) -> tuple[bytes, bytes]:
+        before, after = json.dumps(choice, ensure_ascii=False).split(json.dumps(MARK))
+        return self._open + before.encode(), after.encode() + self._close
+
+    def choice(self, choice: dict) -> bytes:
+        return b"".join((self._open, json.dumps(choice, ensure_ascii=False).encode(), self._close))
+
+    def usage(self, usage: dict) -> bytes:
+        return sse({**self._head, "choices": [], "usage": usage}).encode()
+
+    def text(self, index: int, text: str) -> bytes:
+        before, after = self._plain[index]
+        return b"".join((before, json.dumps(text, ensure_ascii=False).encode(), after))
+
+
+def stream_body(streams, common, head: dict, exchange: Exchange, opening: list[dict], token, finish,
+                plain: Callable[[int, str], dict] | None = None) -> SseStream:
     """The server-sent events chat and completions share: the opening choices, a chunk for each token that
-    `token` makes (none, one or a list) and at each choice's end, the usage when asked, `[DONE]`; an engine error on the
-    way becomes its error event and the stream's status in the log."""
+    `token` makes (none, a choice or a list of them, or a plain text delta as a string, made by `plain`'s
+    template) and at each choice's end, the usage when asked, `[DONE]`; an engine error on the way becomes
+    its error event and the stream's status in the log. The events that wait together go out in one write,
+    each still its own chunk of OpenAI's shape."""
+    sse_chunks = SseChunks(head, plain, len(streams))
+    late = errors.deadline_exceeded()
+    return SseStream(streams, _body(streams, common, exchange, opening, token, finish, sse_chunks),
+                     (late.status, sse(late.body()).encode() + DONE))
+
+
+async def _body(streams, common, exchange: Exchange, opening: list[dict], token, finish,
+                sse_chunks: SseChunks) -> AsyncIterator[bytes]:
+    out: list[bytes] = []
     try:
-        for choice in opening:
-            yield sse({**head, "choices": [choice]})
-        async for index, event in events(streams, deadline, exchange.timing):
-            if isinstance(event, TokenEvent):
-                exchange.completion_tokens += 1
-                for choice in chunks(token(index, event)):
-                    yield sse({**head, "choices": [choice]})
-            elif isinstance(event, Finished):
-                exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
-                for choice in chunks(finish(index, event)):
-                    yield sse({**head, "choices": [choice]})
-            elif isinstance(event, Failed):
-                raise errors.from_engine(event.error)
+        if opening:
+            yield b"".join(sse_chunks.choice(choice) for choice in opening)
+        async for batch in batches(streams, exchange.timing):
+            for index, event in batch:
+                if type(event) is TokenEvent:
+                    exchange.completion_tokens += 1
+                    made = token(index, event)
+                    if type(made) is str:
+                        out.append(sse_chunks.text(index, made))
+                    else:
+                        out.extend(sse_chunks.choice(choice) for choice in chunks(made))
+                elif isinstance(event, Finished):
+                    exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
+                    out.extend(sse_chunks.choice(choice) for choice in chunks(finish(index, event)))
+                elif isinstance(event, Failed):
+                    raise errors.from_engine(event.error)
+            if out:
+                yield b"".join(out)
+                out.clear()
         if common.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
-                                                             exchange.cached_tokens)})
-        yield "data: [DONE]\n\n"
+            out.append(sse_chunks.usage(usage(exchange.prompt_tokens, exchange.completion_tokens, exchange.cached_tokens)))
+        out.append(DONE)
+        yield b"".join(out)
     except errors.ApiError as error:
         exchange.status = error.status  # the stream's status as the log line reports it
-        yield sse(error.body())
-        yield "data: [DONE]\n\n"
+        yield b"".join((*out, sse(error.body()).encode(), DONE))
     finally:
         await close_all(streams)
 
@@ -123,12 +194,12 @@ def sse(payload: dict) -> str:
 
 # ---- completions ----
 
-def prompt_ids(service: Service, prompts: list[str | list[int]]) -> list[list[int]]:
+async def prompt_ids(service: Service, prompts: list[str | list[int]]) -> list[list[int]]:
     vocab = service.vocab_size
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            out.append(service.tokenizer.encode(prompt))
+            out.append(await sized(len(prompt), service.tokenizer.encode, prompt))
         elif any(not 0 <= t < vocab for t in prompt):
             raise errors.out_of_range("prompt", f"prompt token ids must be between 0 and {vocab - 1}")
         else:
@@ -168,7 +239,7 @@ async def completions(service: Service, body: dict, exchange: Exchange):
     prompts, common, echo = parse.completion(body)
     parts = parse.completion_images(body, service.vision)
     model = check_model(service, body)
-    ids = prompt_ids(service, prompts)
+    ids = await prompt_ids(service, prompts)
     deadline = exchange.deadline = trio.current_time() + service.request_timeout
     media = ()
     if parts:
@@ -190,7 +261,7 @@ async def completions(service: Service, body: dict, exchange: Exchange):
         # Where each choice's first generated token starts, counted as completion_logprobs counts offsets.
         starts = [sum(len(token_text(service, t)) for t in p) if echo and common.sampling.logprobs else 0
                   for p in ids for _ in range(common.n)]
-        return completion_sse(service, streams, common, head, deadline, exchange, echoes, starts)
+        return completion_sse(service, streams, common, head, exchange, echoes, starts)
     choices = await collect(streams, deadline, exchange.timing)
     exchange.completion_tokens = sum(len(c.tokens) for c in choices)
     out = []
@@ -204,25 +275,25 @@ async def completions(service: Service, body: dict, exchange: Exchange):
             "usage": usage(exchange.prompt_tokens, exchange.completion_tokens, cached)}
 
 
-def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
+def completion_sse(service, streams, common, head, exchange, echoes, starts) -> SseStream:
     offsets = list(starts)  # where each choice's next token starts
     opening = [{"index": index, "text": text, "logprobs": None, "finish_reason": None}
                for index, text in enumerate(echoes) if text]
 
-    def token(index: int, event: TokenEvent) -> dict | None:
-        logprobs = None
-        if common.sampling.logprobs:
-            text = token_text(service, event.token)
-            logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
-                        "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
-                        "text_offset": [offsets[index]]}
-            offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
-        if not (event.text or logprobs):
-            return None
+    def plain(index: int, text: str) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
+    def token(index: int, event: TokenEvent) -> dict | str | None:
+        if not common.sampling.logprobs:
+            return event.text or None  # a plain delta, from its template
+        text = token_text(service, event.token)
+        logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
+                    "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
+                    "text_offset": [offsets[index]]}
+        offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
         return {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
 
     def finish(index: int, event: Finished) -> dict:
         return {"index": index, "text": event.text, "logprobs": None, "finish_reason": finish_reason(event)}
 
-    return stream_body(streams, common, {**head, "object": "text_completion"}, deadline, exchange, opening, token,
-                       finish)
+    return stream_body(streams, common, {**head, "object": "text_completion"}, exchange, opening, token, finish, plain)

@@ -40,6 +40,9 @@ class HttpResponse:
     body: bytes | AsyncIterator[bytes] = b""
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    # A streamed body that leaves its request's deadline to the server: (the status the log reports, the
+    # last bytes written) once the deadline passes mid-stream. None: the body keeps the deadline itself.
+    deadline_answer: tuple[int, bytes] | None = None
 
     @property
     def streamed(self) -> bool:

@@ -16,6 +16,8 @@ What a connection promises (docs/DECISIONS.md, "Our own HTTP/1.1 server"):
 from __future__ import annotations
 
 import logging
+import math
+import os
 import socket
 from contextlib import aclosing
 from dataclasses import replace
@@ -27,7 +29,6 @@ import trio
 from .protocol import App, Exchange, HttpRequest, HttpResponse, ServerLimits
 
 MAX_RECV = 64 << 10
-SEND_SLICE = 64 << 10  # the most bytes one timed write may carry: a write that progresses is never cut
 LINGER = 1.0  # seconds a connection closing on unread input reads on, so its answer is not reset
 WRITE_GRACE = 1.0  # past its deadline a response may still write its own deadline error for this long
 
@@ -98,6 +99,8 @@ class Connection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_headers + 8192)
         self._idle: trio.CancelScope | None = None  # the wait for a next request, cancelled at shutdown
         self._gone = False  # the client closed, reset, or stopped reading
+        self._partial = False  # set by `_send` while a write is half done
+        self._fd = stream.socket.fileno()
         if self.limits.send_buffer is not None:  # bounds what a client that stops reading leaves in the kernel
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.send_buffer)
 
@@ -240,31 +243,46 @@ class Connection:
             headers.append(("connection", "close"))
         if not response.streamed:
             headers.append(("content-length", str(len(response.body))))
+        # A stream to an HTTP/1.1 client is chunked by us (RFC 9112's framing, h11 writes the last chunk):
+        # h11's own framing of a chunk costs as much as the rest of a streamed token's write.
+        framed = response.streamed and self.h11.their_http_version == b"1.1"
+        if framed:
+            headers.append(("transfer-encoding", "chunked"))
         try:
             head = self.h11.send(h11.Response(status_code=response.status, headers=headers))
         except h11.LocalProtocolError:
             log.exception("an unsendable response to %s %s", request.method, request.path)
             raise Abort(500) from None
         bodiless = request.method == "HEAD"
-        with trio.move_on_at(exchange.deadline + WRITE_GRACE):
-            if not response.streamed:
-                data = b"" if bodiless else self.h11.send(h11.Data(data=response.body))
-                await self._send(head + data + self.h11.send(h11.EndOfMessage()))
-                return response.status
-            await self._send(head)
-            async with aclosing(response.body) as chunks:
+        late = exchange.deadline + WRITE_GRACE  # no write of this response goes on past it
+        if not response.streamed:
+            data = b"" if bodiless else self.h11.send(h11.Data(data=response.body))
+            await self._send(head + data + self.h11.send(h11.EndOfMessage()), late)
+            return response.status
+        answer = response.deadline_answer
+        # One cancel scope for the whole stream (not one a chunk): the body's waits end at the deadline.
+        with trio.move_on_at(exchange.deadline if answer is not None else late) as waiting:
+            async with aclosing(response.body) as chunks:  # closed even if the head cannot be written
+                await self._send(head, late)
                 try:
                     async for chunk in chunks:
                         if chunk and not bodiless:
-                            await self._send(self.h11.send(h11.Data(data=chunk)))
+                            await self._send(b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed
+                                             else self.h11.send(h11.Data(data=chunk)), late)
                 except Exception as error:
                     if isinstance(error, Gone):
                         raise
                     log.exception("a streamed answer to %s %s failed", request.method, request.path)
                     raise Abort(500) from None
-            await self._send(self.h11.send(h11.EndOfMessage()))
-            return exchange.status or response.status
-        raise Gone  # the request's deadline passed while its answer was still being written
+        if waiting.cancelled_caught:
+            if answer is None or self._partial:
+                raise Gone  # a chunk cut half-way: nothing more can be written on this connection
+            exchange.status = answer[0]
+            last = b"%x\r\n%b\r\n" % (len(answer[1]), answer[1]) if framed else self.h11.send(h11.Data(data=answer[1]))
+            await self._send((b"" if bodiless else last) + self.h11.send(h11.EndOfMessage()), late)
+            return answer[0]
+        await self._send(self.h11.send(h11.EndOfMessage()), late)
+        return exchange.status or response.status
 
     async def _refuse(self, status: int, exchange: Exchange | None) -> HttpResponse:
         """Answer a request the server will not read on (the connection closes after it)."""
@@ -283,15 +301,24 @@ class Connection:
             exchange.finish(499)  # the connection cannot carry an answer any more
         return response
 
-    async def _send(self, data: bytes) -> None:
-        """Write `data`; raises Gone when the client has left or a slice makes no progress in time."""
-        view = memoryview(data)
-        for at in range(0, len(view), SEND_SLICE):
-            with trio.move_on_after(self.limits.send_timeout):
-                try:
-                    await self.stream.send_all(view[at : at + SEND_SLICE])
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    raise Gone from None
+    async def _send(self, data: bytes, until: float = math.inf) -> None:
+        """Write `data`; raises Gone when the client has left, when the socket takes nothing for `send_timeout`
+        seconds, or at `until`. What the socket takes at once is written without a checkpoint or a cancel
+        scope (a streamed token's usual case); only a full socket is waited on, bounded."""
+        view, at = memoryview(data), 0
+        while True:
+            try:
+                at += os.write(self._fd, view[at:])
+            except BlockingIOError:
+                pass
+            except OSError:  # reset, broken pipe, or closed under us
+                raise Gone from None
+            if at == len(view):
+                self._partial = False
+                return
+            self._partial = True
+            with trio.move_on_at(min(trio.current_time() + self.limits.send_timeout, until)):
+                await trio.lowlevel.wait_writable(self.stream.socket)
                 continue
             raise Gone  # the client stopped reading
 

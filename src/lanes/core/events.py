@@ -113,6 +113,20 @@ class EventChannel(Generic[T]):
             raise trio.EndOfChannel
         return _EMPTY
 
+    def drain(self) -> list[T]:
+        """Every event buffered now, in order, without waiting (none after the last, rather than
+        EndOfChannel): a consumer that is behind takes them at once."""
+        if self._receiver_closed:
+            raise trio.ClosedResourceError("this channel was closed")
+        items = self._items
+        taken = list(items)
+        items.clear()
+        if self._full and taken:
+            self._full = False
+            if self._on_drain is not None:
+                self._on_drain()
+        return taken
+
     def _abort(self, _) -> trio.lowlevel.Abort:
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED

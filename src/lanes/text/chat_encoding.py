@@ -17,6 +17,7 @@ import tokenizers
 
 from .chat import ChatTemplateError
 
+LONG_TEXT = 16 << 10  # characters past which a text is encoded as a batch of one, which frees the GIL meanwhile
 MARKERS = ("\U000f0000", "\U000f0001")  # transformers' markers, kept unless a client string holds one
 FIRST_MARKER, LAST_MARKER = 0xF0000, 0x10FFFD  # the supplementary private-use planes 15 and 16
 PRIVATE_USE = re.compile("[\U000f0000-\U0010fffd]")
@@ -83,11 +84,11 @@ class ChatEncoder:
         Raises ChatTemplateError for a control token that the tokenizer also makes from its plain text."""
         start, end = markers
         if start not in text and end not in text:
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return encode_ids(self._backend, text, False)
         split = self._default_split if markers == MARKERS else self._splitter(markers)
         # [text, marked token, text, ...]; a lone marker (a template's string method split a pair) gives None
         pieces = split.split(text)
-        ids = self._backend.encode(pieces[0], add_special_tokens=False).ids
+        ids = encode_ids(self._backend, pieces[0], False)
         for i, piece in enumerate(pieces[1:], start=1):
             if not piece:
                 continue
@@ -132,3 +133,11 @@ def _strings(value: Any) -> Iterable[str]:
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
+
+
+def encode_ids(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`backend.encode(text).ids`; a long text through `encode_batch`, the same ids, which lets other threads run
+    meanwhile (`encode` holds the GIL: a 100k-token prompt in a worker thread would stall the event loop)."""
+    if len(text) < LONG_TEXT:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, processors
 
 from ..checkpoint.errors import CheckpointError
 from .chat import ChatTemplate, ChatTemplateError
-from .chat_encoding import ChatEncoder, control_tokens
+from .chat_encoding import ChatEncoder, control_tokens, encode_ids
 from .detok import ByteDetokenizer, IncrementalDetokenizer, byte_pieces, with_special_pieces
 from .gguf_vocab import adds_bos, adds_eos, build_gguf_tokenizer
 
@@ -153,7 +153,7 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids for `text`; with `add_special_tokens`, BOS (and EOS) where the tokenizer adds them."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return encode_ids(self._backend, text, add_special_tokens)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Ids for a rendered chat prompt: no tokens added, since the template writes any BOS itself
