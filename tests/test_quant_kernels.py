@@ -101,6 +101,13 @@ def test_resident_bytes_are_the_file_bytes(kind):
     assert w.type_name == kind.name
 
 
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_the_kernels_layout_holds_the_files_bytes(kind):
+    raw = random_raw(kind, 5, 512, seed=3)
+    w = QuantWeight(torch.from_numpy(raw.copy()), block_format(kind), (5, 512))
+    assert w.packed.shape == raw.shape and np.array_equal(w.file_bytes().numpy(), raw)
+
+
 def test_a_row_must_be_whole_blocks():
     with pytest.raises(ValueError, match="whole blocks of 256"):
         QuantWeight(torch.zeros(2, 144, dtype=torch.uint8), block_format(Q.Q4_K), (2, 288))

@@ -81,7 +81,7 @@ def test_quantize_writes_the_gguf_quantizers_bytes(scheme, kind):
     w = quantized(weight, scheme)
     expected = gguf.quants.quantize(weight.numpy(), kind)
     assert isinstance(w, QuantWeight) and w.type_name == kind.name
-    assert np.array_equal(w.raw.numpy(), expected)
+    assert np.array_equal(w.file_bytes().numpy(), expected)
     assert w.resident_bytes == expected.nbytes
 
 

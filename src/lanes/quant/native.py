@@ -5,6 +5,7 @@ torch.compile can trace through them)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
+HEADERS = [Path(__file__).with_name("gguf_formats.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
 
@@ -33,8 +35,10 @@ def kernels():
 
     build = lanes_home() / "kernels" / f"torch-{torch.__version__}"
     build.mkdir(parents=True, exist_ok=True)
+    # torch rebuilds when the sources or flags change; the header's digest in the flags covers it too
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     try:
-        load("lanes_quant", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        load("lanes_quant", [str(SOURCE)], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"], extra_ldflags=["-fopenmp"],
              build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as error:
         raise KernelsUnavailable(f"building {SOURCE.name} failed ({str(error).splitlines()[0]})") from None

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from .formats import BlockFormat
+from .layout import to_file, to_kernel
 from .native import kernels
 
 PANEL_ROWS = 16  # from this many rows of x on, decode 64-row panels to fp32 for BLAS (bench/quant_kernels.py)
-PANEL = 64  # weight rows decoded a panel: 64 x 1536 fp32 is 384 KiB, inside one core's L2
+PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
 
 
 class Weight(Protocol):
@@ -38,17 +39,22 @@ class Weight(Protocol):
 
 
 class QuantWeight:
-    """An [out, in] weight in a GGUF block format, kept as the file's bytes `raw` [out, row bytes] uint8."""
+    """An [out, in] weight in a GGUF block format, built from the file's bytes [out, row bytes] uint8 and
+    kept at their size: `packed` holds them in the kernels' layout (layout.py; most formats as they are)."""
 
-    def __init__(self, raw: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int]) -> None:
+    def __init__(self, raw: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int], *, packed: bool = False) -> None:
         out_features, in_features = shape
         if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, fmt.row_bytes(in_features)):
             raise ValueError(f"{fmt.name} [{out_features}, {in_features}] needs uint8 "
                              f"[{out_features}, {fmt.row_bytes(in_features)}], not {raw.dtype} {list(raw.shape)}")
-        self.raw = raw.contiguous()
+        self.packed = raw.contiguous() if packed else to_kernel(raw, fmt)  # [out, row bytes] uint8
         self.format = fmt
         self.shape = (out_features, in_features)
         self._ops = kernels()
+
+    def file_bytes(self) -> torch.Tensor:
+        """[out, row bytes] uint8 in the file's layout (for checks and for writing GGUF files)."""
+        return to_file(self.packed, self.format)
 
     @property
     def type_name(self) -> str:
@@ -56,26 +62,27 @@ class QuantWeight:
 
     @property
     def resident_bytes(self) -> int:
-        return self.raw.nbytes
+        return self.packed.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) @ W.T -> [T, out] in x's dtype, accumulated in fp32."""
         x32 = x if x.dtype == torch.float32 else x.float()
         n, k = self.shape
         if x32.shape[0] < PANEL_ROWS:
-            out = self._ops.mm_tiles(x32, self.raw, self.format.kind, n, k)
+            out = self._ops.mm_tiles(x32, self.packed, self.format.kind, n, k)
         else:
-            out = self._ops.mm_panels(x32, self.raw, self.format.kind, n, k, PANEL)
+            out = self._ops.mm_panels(x32, self.packed, self.format.kind, n, k, PANEL)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [R] int64 dequantized: [R, in] in `dtype` (an embedding lookup)."""
-        rows = self._ops.take_rows(self.raw, ids.to(torch.int64), self.format.kind, *self.shape)
+        rows = self._ops.take_rows(self.packed, ids.to(torch.int64), self.format.kind, *self.shape)
         return rows if dtype == torch.float32 else rows.to(dtype)
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
         """The weight of output rows `index` [R] (a row is whole blocks, so rows move as bytes)."""
-        return QuantWeight(self.raw.index_select(0, index.to(torch.int64)), self.format, (len(index), self.shape[1]))
+        rows = self.packed.index_select(0, index.to(torch.int64))
+        return QuantWeight(rows, self.format, (len(index), self.shape[1]), packed=True)
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] fp32, for checks (never on a load path)."""
@@ -142,8 +149,8 @@ def stack_rows(weights: Sequence[Weight]) -> Weight:
     if len(weights) == 1:
         return weights[0]
     if all(isinstance(w, QuantWeight) for w in weights) and len({w.format for w in weights}) == 1:
-        raw = torch.cat([w.raw for w in weights])
-        return QuantWeight(raw, weights[0].format, (raw.shape[0], weights[0].shape[1]))
+        packed = torch.cat([w.packed for w in weights])
+        return QuantWeight(packed, weights[0].format, (packed.shape[0], weights[0].shape[1]), packed=True)
     if all(isinstance(w, DenseWeight) for w in weights) and len({w.tensor.dtype for w in weights}) == 1:
         return DenseWeight(torch.cat([w.tensor for w in weights]), weights[0].source)
     return StackedWeight(weights)
