@@ -1,7 +1,7 @@
 """Weight-only quantized matmul kernels on the CPU beside the fp32 matmul, at the default model's shapes.
 
-    python bench/quant_kernels.py [--rows 1,8,64,256] [--shapes qkv,o,gate_up,down,head] [--rounds 5]
-                                  [--no-inductor] [--no-torchao]
+    python bench/quant_kernels.py [--rows 1,8,64,256] [--shapes qkv,o,gate_up,down,head] [--rounds 15]
+                                  [--threads N] [--batch-ms 1] [--only a,b] [--no-inductor] [--no-torchao]
 
 SmolLM2-135M's matrices (out x in): qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, and the tied
 head 49152x576; x is [rows, in] fp32. Every contender holds as many copies of its weight as the model has
@@ -13,18 +13,22 @@ build are left out with the reason):
   int8pack        torch._weight_int8pack_mm, int8 with one scale a row
   int4pack        torch._weight_int4pack_mm_for_cpu, int4 with scale and zero a group of 32
   dyn4bit         torch._dyn_quant_matmul_4bit (_dyn_quant_pack_4bit_weight), groups of 32
-  ao-int8/ao-int4 torchao's Int8WeightOnlyConfig / Int4WeightOnlyConfig(group 32) on an nn.Linear
+  ao-int8         torchao's Int8WeightOnlyConfig on an nn.Linear (torchao 0.18's CPU int4 is a prototype
+                  over _weight_int4pack_mm_for_cpu, measured as int4pack)
   ind-q8/ind-q4   torch.compile (inductor) of dequantize-then-matmul over Q8_0-like / Q4_1-like planes
   ours-<T>-tiles  lanes.quant: GGUF type T read in place, groups decoded in registers (few rows)
   ours-<T>-panels lanes.quant: panels of rows decoded to fp32 by each thread, then BLAS (many rows)
-A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up, rounds in which every contender runs in turn (interleaved), each a batch of calls
-of at least 5 ms; the figure is the median over rounds of the time a call. `x fp32` is fp32's time over
-the contender's; `GB/s` is the weight bytes a call reads over its time.
+A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up,
+rounds in which every contender runs in turn (interleaved), each a batch of calls of at least `--batch-ms`; the
+figure is the median over rounds of the time a call (the best round beside it: on a shared machine, the
+closest to an idle one). `x fp32` is fp32's median over the contender's; `GB/s` is the weight bytes a
+call reads over its median time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -102,25 +106,16 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
     add("int4pack", int4pack)
     add("dyn4bit", dyn4bit)
     if not no_torchao:
-        def ao(config_name: str):
-            def make():
-                from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+        def ao_int8():
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-                linear = torch.nn.Linear(k, n, bias=False)
-                linear.weight.data.copy_(dense)
-                if config_name == "int8":
-                    config = Int8WeightOnlyConfig()
-                else:
-                    config = Int4WeightOnlyConfig(group_size=32, int4_packing_format="opaque")
-                    linear = linear.to(torch.bfloat16)  # their CPU int4 layout takes bf16 activations
-                quantize_(linear, config)
-                inner, _ = linear.weight.__tensor_flatten__()
-                size = sum(getattr(linear.weight, a).nbytes for a in inner)
-                dtype = linear.weight.dtype
-                return (lambda x: linear(x.to(dtype)).float()), size
-            return make
-        add("ao-int8", ao("int8"))
-        add("ao-int4", ao("int4"))
+            linear = torch.nn.Linear(k, n, bias=False)
+            linear.weight.data.copy_(dense)
+            quantize_(linear, Int8WeightOnlyConfig())
+            inner, _ = linear.weight.__tensor_flatten__()
+            return linear, sum(getattr(linear.weight, a).nbytes for a in inner)
+
+        add("ao-int8", ao_int8)
     if not no_inductor:
         planes4, _, _, _ = q4_planes(raw4, n, k)
         blocks8 = raw8.reshape(n, k // 32, 34)
@@ -167,7 +162,7 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
     return out
 
 
-def per_call(fn: Callable[[], object], budget_s: float = 0.005) -> tuple[int, float]:
+def per_call(fn: Callable[[], object], budget_s: float) -> tuple[int, float]:
     """How many calls make a batch of at least `budget_s`, and the time of one batch a call."""
     calls = 1
     while True:
@@ -184,10 +179,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,64,256")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--no-torchao", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one a core)")
+    parser.add_argument("--batch-ms", type=float, default=1.0, help="least time of one timed batch of calls")
+    parser.add_argument("--only", default=None, help="comma-separated contender names (fp32 is always run)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     results = []
     for name in args.shapes.split(","):
@@ -199,6 +199,9 @@ def main() -> None:
         raw8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
         dense = torch.from_numpy(gguf.quants.dequantize(raw4, gguf.GGMLQuantizationType.Q4_1).reshape(n, k))
         contenders = build(name, n, k, copies, raw4, raw8, dense, args.no_inductor, args.no_torchao)
+        if args.only:
+            keep = {"fp32", *args.only.split(",")}
+            contenders = [c for c in contenders if c.name in keep]
         slow: set[str] = set()
         for rows in (int(r) for r in args.rows.split(",")):
             contenders = [c for c in contenders if c.name not in slow]
@@ -206,7 +209,7 @@ def main() -> None:
             batches = {}
             for c in contenders:
                 c(x)
-                batches[c.name] = per_call(lambda c=c: c(x))[0]
+                batches[c.name] = per_call(lambda c=c: c(x), args.batch_ms / 1000)[0]
             times: dict[str, list[float]] = {c.name: [] for c in contenders}
             for _ in range(args.rounds):
                 for c in contenders:
@@ -217,14 +220,16 @@ def main() -> None:
             base = statistics.median(times["fp32"])
             for c in contenders:
                 t = statistics.median(times[c.name])
-                results.append((f"{name} {n}x{k}", rows, c.name, t * 1e6, base / t, c.weight_bytes / 1e6, c.weight_bytes / t / 1e9))
+                results.append((f"{name} {n}x{k}", rows, c.name, t * 1e6, min(times[c.name]) * 1e6, base / t,
+                                c.weight_bytes / 1e6, c.weight_bytes / t / 1e9))
                 if t > 20 * base:  # hopeless here; more rows would only take minutes
                     slow.add(c.name)
         del contenders
-    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.rounds} interleaved rounds")
-    print(f"{'shape':<18} {'rows':>4} {'contender':<18} {'us/call':>9} {'x fp32':>7} {'weight MB':>9} {'GB/s':>6}")
-    for shape, rows, label, us, ratio, mb, gbs in results:
-        print(f"{shape:<18} {rows:>4} {label:<18} {us:>9.1f} {ratio:>7.2f} {mb:>9.2f} {gbs:>6.1f}")
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
+          f"median (and best) of {args.rounds} interleaved rounds")
+    print(f"{'shape':<18} {'rows':>4} {'contender':<18} {'us/call':>9} {'best us':>9} {'x fp32':>7} {'weight MB':>9} {'GB/s':>6}")
+    for shape, rows, label, us, best, ratio, mb, gbs in results:
+        print(f"{shape:<18} {rows:>4} {label:<18} {us:>9.1f} {best:>9.1f} {ratio:>7.2f} {mb:>9.2f} {gbs:>6.1f}")
 
 
 if __name__ == "__main__":

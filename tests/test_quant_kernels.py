@@ -54,7 +54,7 @@ def test_every_value_decodes_as_the_gguf_package_decodes_it(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 31, 32, 33, 64])  # both paths, either side of PANEL_ROWS
 def test_matmul_is_within_fp32_summation_of_the_dequantized_product(kind, rows):
     w, reference = weight_of(kind, 67, 768, seed=rows)  # 67 rows: a partial tile of 4 and of a 64-row panel
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
@@ -113,3 +113,10 @@ def test_a_row_must_be_whole_blocks():
         QuantWeight(torch.zeros(2, 144, dtype=torch.uint8), block_format(Q.Q4_K), (2, 288))
     with pytest.raises(ValueError, match=r"needs uint8 \[2, 144\]"):
         QuantWeight(torch.zeros(2, 140, dtype=torch.uint8), block_format(Q.Q4_K), (2, 256))
+
+
+def test_torch_compile_traces_through_the_kernels_in_one_graph():
+    w, reference = weight_of(Q.Q4_1, 24, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(lambda x: torch.relu(w.matmul(x)) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), torch.relu(w.matmul(x)) * 2)

@@ -16,7 +16,7 @@ from .formats import BlockFormat
 from .layout import to_file, to_kernel
 from .native import kernels
 
-PANEL_ROWS = 16  # from this many rows of x on, decode 64-row panels to fp32 for BLAS (bench/quant_kernels.py)
+PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
 
 
