@@ -4,8 +4,8 @@
                         [--llama-python PY]
 
 One command: the first run makes bench/.venv-llamacpp (ignored by git) and builds llama-cpp-python 0.3.36
-in it (about 10 minutes on 2 cores), unless `--llama-python` names a Python that has it; it is never a
-dependency of lanes. Each contender is a worker process that loads the model once (its resident memory is
+in it (about 10 minutes on 2 cores; AVX-512 kernels without AMX, see LLAMA_CMAKE_ARGS), unless
+`--llama-python` names a Python that has it; it is never a dependency of lanes. Each contender is a worker process that loads the model once (its resident memory is
 read from /proc before and after the load), then answers requests: greedy, end-of-sequence ignored, the
 same random prompts of `--prompt-len` tokens to all, `--new` tokens a stream. lanes runs N concurrent
 streams on its lane core; transformers runs generate() on a batch of N; llama.cpp runs batch 1 only, the
@@ -28,6 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LLAMA_VENV = HERE / ".venv-llamacpp"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
+# AVX-512 kernels but not AMX: its AMX matmul dies here with SIGILL (a tileloadd in a worker thread)
+LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
 
 
 def rss_mb() -> float:
@@ -188,7 +191,8 @@ def llama_python(given: str | None) -> str:
     if not python.exists():
         print(f"building {LLAMA_CPP} in {LLAMA_VENV} (once; about 10 minutes on 2 cores) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(LLAMA_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", LLAMA_CPP], check=True)
+        env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-cache-dir", LLAMA_CPP], check=True, env=env)
     return str(python)
 
 

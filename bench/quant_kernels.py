@@ -18,6 +18,7 @@ build are left out with the reason):
   ind-q8/ind-q4   torch.compile (inductor) of dequantize-then-matmul over Q8_0-like / Q4_1-like planes
   ours-<T>-tiles  lanes.quant: GGUF type T read in place, groups decoded in registers (few rows)
   ours-<T>-panels lanes.quant: panels of rows decoded to fp32 by each thread, then BLAS (many rows)
+  ours-Q4_K/Q6_K  lanes.quant's few-rows path on the K-quants of Q4_K_M files (random blocks)
 A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up,
 rounds in which every contender runs in turn (interleaved), each a batch of calls of at least `--batch-ms`; the
 figure is the median over rounds of the time a call (the best round beside it: on a shared machine, the
@@ -159,7 +160,22 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
 
         add(f"ours-{label}-tiles", tiles)
         add(f"ours-{label}-panels", panels)
+    for kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
+        def k_tiles(kind=kind):
+            w = QuantWeight(torch.from_numpy(random_k_blocks(n, k, kind)), block_format(kind), (n, k)).packed
+            return (lambda x: ops.mm_tiles(x, w, int(kind), n, k)), w.nbytes
+
+        add(f"ours-{kind.name}-tiles", k_tiles)
     return out
+
+
+def random_k_blocks(n: int, k: int, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Random K-quant rows (the gguf package cannot quantize these) with small f16 scales: for timing only."""
+    size, scale_at = (144, (0, 2)) if kind == gguf.GGMLQuantizationType.Q4_K else (210, (208,))
+    blocks = np.random.default_rng(0).integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        blocks[:, :, at : at + 2] = np.full((n, k // 256), 1e-3, np.float16).view(np.uint8).reshape(n, -1, 2)
+    return blocks.reshape(n, -1)
 
 
 def per_call(fn: Callable[[], object], budget_s: float) -> tuple[int, float]:

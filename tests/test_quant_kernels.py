@@ -120,3 +120,12 @@ def test_torch_compile_traces_through_the_kernels_in_one_graph():
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
     compiled = torch.compile(lambda x: torch.relu(w.matmul(x)) * 2, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), torch.relu(w.matmul(x)) * 2)
+
+
+def test_many_rows_run_under_inference_mode():
+    w, reference = weight_of(Q.Q4_1, 80, 256)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = w.matmul(x)
+    exact = x.double() @ torch.from_numpy(reference).double().T
+    assert ((got.double() - exact).abs() <= summation_bound(x, reference)).all()

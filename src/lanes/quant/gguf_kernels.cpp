@@ -6,6 +6,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <algorithm>
 
 #include "gguf_formats.h"
@@ -161,9 +162,11 @@ at::Tensor mm_panels_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
   const int64_t per = (n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
   const int64_t rows = std::min(panel, std::max<int64_t>(16, (per + 15) / 16 * 16));
   const int64_t panels = (n + rows - 1) / rows;
+  const at::ThreadLocalState state;  // OpenMP threads do not inherit inference mode; the BLAS call needs it
   dispatch(kind, [&](auto q) {
     using Q = decltype(q);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard guard(state);
       at::Tensor scratch = at::empty({rows, k}, x.options());
       for (int64_t p = begin; p < end; ++p) {
         const int64_t first = p * rows, count = std::min(rows, n - first);
