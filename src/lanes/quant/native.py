@@ -21,9 +21,25 @@ class KernelsUnavailable(RuntimeError):
     """The quantized kernels cannot run here; the message says why in one line."""
 
 
-@functools.cache
 def kernels():
-    """`torch.ops.lanes_quant`, built the first time; raises KernelsUnavailable (cached) when it cannot be."""
+    """`torch.ops.lanes_quant`, built the first time; raises KernelsUnavailable when it cannot be (the
+    first failure is kept: no second build is tried in this process)."""
+    ops, reason = _load()
+    if ops is None:
+        raise KernelsUnavailable(reason)
+    return ops
+
+
+@functools.cache
+def _load():
+    """(the ops, None) or (None, why not), once a process."""
+    try:
+        return _build(), None
+    except KernelsUnavailable as error:
+        return None, str(error)
+
+
+def _build():
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         raise KernelsUnavailable(f"this CPU has no AVX-512 (torch sees {torch.backends.cpu.get_cpu_capability()})")
     compiler = os.environ.get("CXX", "c++")
@@ -38,8 +54,8 @@ def kernels():
     # torch rebuilds when the sources or flags change; the header's digest in the flags covers it too
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     try:
-        load("lanes_quant", [str(SOURCE)], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"], extra_ldflags=["-fopenmp"],
-             build_directory=str(build), is_python_module=False, verbose=False)
+        load("lanes_quant", [str(SOURCE)], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"],
+             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as error:
         raise KernelsUnavailable(f"building {SOURCE.name} failed ({str(error).splitlines()[0]})") from None
     _register_fakes()

@@ -1,7 +1,7 @@
 """Weights a model part multiplies by: `matmul(x)` for x [T, in] -> [T, out] in x's dtype.
 
-`QuantWeight` keeps a GGUF block format's bytes as they are in the file ([out, row bytes] uint8) and runs
-the C++ kernels over them; `DenseWeight` is a plain tensor (F32/F16/BF16 files, Hugging Face folders, or
+`QuantWeight` keeps a GGUF block format's bytes at their size ([out, row bytes] uint8; Q8_0, Q4_0 and Q4_1
+rows reordered planar, layout.py) and runs the C++ kernels over them; `DenseWeight` is a plain tensor (F32/F16/BF16 files, Hugging Face folders, or
 a type without a kernel, dequantized); `StackedWeight` is fused rows of weights of different types.
 """
 
