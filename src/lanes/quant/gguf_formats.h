@@ -57,15 +57,15 @@ struct Q8_0 {
   }
 };
 
-// Q4_0: per block 16 bytes of nibbles (low: values 0..15, high: 16..31) and f16 d; value d * (q - 8) = d * q - 8d.
+// Q4_0: per block 16 bytes of nibbles (low: values 0..15, high: 16..31) and f16 d; value d * (q - 8), a
+// product as theirs is (so a zero keeps d's sign).
 struct Q4_0 {
   static constexpr int64_t kValues = 32, kBytes = 18, kScales = 1;
-  static inline void scales(const uint8_t* row, int64_t groups, int64_t g0, int64_t count, float* scale, float* offset) {
+  static inline void scales(const uint8_t* row, int64_t groups, int64_t g0, int64_t count, float* scale, float*) {
     f16_planar(row + groups * 16 + 2 * g0, count, scale);
-    for (int64_t i = 0; i < count; ++i) offset[i] = -8.0f * scale[i];
   }
-  static inline void group(const uint8_t* row, int64_t g, const float* scale, const float* offset, __m512& w0, __m512& w1) {
-    const __m512 table = _mm512_fmadd_ps(iota16(), _mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
+  static inline void group(const uint8_t* row, int64_t g, const float* scale, const float*, __m512& w0, __m512& w1) {
+    const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)), _mm512_set1_ps(scale[0]));
     const __m512i v = bytes16(row + g * 16);
     w0 = _mm512_permutexvar_ps(v, table);
     w1 = _mm512_permutexvar_ps(shifted(v, 4), table);
@@ -87,17 +87,22 @@ struct Q4_1 {
   }
 };
 
-// The 6-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4), as
-// (d * sc, -(dmin * m)) for its 8 groups.
+// The 6-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4, unpacked 32 bits
+// at a time as its utmp does), as (d * sc, -(dmin * m)) for its 8 groups.
 inline void scales_k4(const uint8_t* block, float* scale, float* offset) {
-  const float d = f16(block), dmin = f16(block + 2);
-  const uint8_t* q = block + 4;
-  for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    scale[j] = d * static_cast<float>(sc);
-    offset[j] = -(dmin * static_cast<float>(m));
-  }
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, block + 4, 12);
+  u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  const uint32_t mins = u[1] & low6;
+  u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  u[2] = mins;
+  u[0] &= low6;  // now bytes 0..7 are sc[0..7], bytes 8..15 are m[0..7]
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u))));
+  const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 2))));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(f16(block)), sc));
+  // negated by the sign bit, as -(dmin * m) is: a zero minimum stays -0, so d * q - 0 keeps its sign of zero
+  _mm256_storeu_ps(offset, _mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_mul_ps(_mm256_set1_ps(f16(block + 2)), m)));
 }
 
 // Groups [g0, g0 + count) of a K-quant row from whole super-blocks (g0 and count are multiples of 8).
@@ -153,9 +158,8 @@ struct Q6_K {
   static inline void scales(const uint8_t* row, int64_t, int64_t g0, int64_t count, float* scale, float*) {
     for (int64_t i = 0; i < count; i += 8) {
       const uint8_t* b = row + (g0 + i) / 8 * kBytes;
-      const float d = f16(b + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-      for (int s = 0; s < 16; ++s) scale[2 * i + s] = d * static_cast<float>(sc[s]);
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+      _mm512_storeu_ps(scale + 2 * i, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc));
     }
   }
   static inline void group(const uint8_t* row, int64_t g, const float* scale, const float*, __m512& w0, __m512& w1) {
