@@ -22,7 +22,7 @@ from lanes.core.decider import DecisionRequest, DecisionTimeout
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import choose, runner_for
 from lanes.http.decision_prompts import Option, Question, find_label_tokens, render
 from lanes.loader import load_model

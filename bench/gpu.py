@@ -29,8 +29,8 @@ from lanes.core.passes import Piece
 from lanes.core.plan import Plan, Work
 from lanes.core.sampling import RowSampling, SamplingParams
 from lanes.core.stream import Finished, Request, TokenEvent
-from lanes.core.torch_backend import TorchBackend, text_factory
-from lanes.gpu.blocks import BlockPool, BlockTable, blocks_for
+from lanes.backend.torch_backend import TorchBackend, text_factory
+from lanes.core.blocks import BlockPool, BlockTable, blocks_for
 from lanes.gpu.device import choose, runner_for
 from lanes.heap import freeze_startup_heap
 from lanes.loader import load_model
@@ -254,10 +254,10 @@ def greedy_plan(backend, lanes: int, reserve: int, piece, prompts: bool = False)
 def pass_time(backend, plan: Plan, repeats: int) -> float:
     """Seconds a whole pass takes on the host clock (launched, waited for, read back), after warm-ups."""
     for _ in range(3):
-        backend.run_pass(plan)
+        backend.launch(plan).result()
     began = time.perf_counter()
     for _ in range(repeats):
-        backend.run_pass(plan)
+        backend.launch(plan).result()
     return (time.perf_counter() - began) / repeats
 
 

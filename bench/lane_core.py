@@ -26,7 +26,7 @@ from lanes.core.lane_core import LaneCore
 from lanes.core.plan import PassResult, Sampled
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request
-from lanes.core.torch_backend import text_factory
+from lanes.backend.torch_backend import text_factory
 from lanes.gpu.device import CpuRunner
 from lanes.gpu.polling import PassWaiter
 from lanes.heap import freeze_startup_heap
@@ -60,7 +60,7 @@ class QueuedPass:
         return await self.runner.run(run, started)
 
     def _result(self, plan) -> PassResult:
-        return PassResult(tuple(Sampled(20 + (plan.step * 7 + w.piece.lane) % (self.vocab - 20)) if w.sample else None
+        return PassResult(tuple(Sampled((20 + (plan.step * 7 + w.piece.lane) % (self.vocab - 20),)) if w.sample else None
                                 for w in plan.work), tuple(None for _ in plan.work))
 
     def bind(self, *args) -> None:

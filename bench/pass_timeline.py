@@ -28,7 +28,7 @@ import trio
 from gpu import load_bench_model, run_engine, say  # bench/gpu.py, run from bench/
 from lanes.core import torch_backend
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend
+from lanes.backend.torch_backend import TorchBackend
 from lanes.gpu.device import runner_for
 from lanes.gpu.graphs import DecodeGraphs
 from lanes.heap import freeze_startup_heap

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gpu import build  # bench/gpu.py, run from bench/
-from lanes.gpu.blocks import BlockPool, BlockTable, blocks_for
+from lanes.core.blocks import BlockPool, BlockTable, blocks_for
 from lanes.gpu.device import choose
 from lanes.gpu.graphs import DecodeGraphs
 from lanes.core.passes import Piece

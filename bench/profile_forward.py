@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gpu import build  # bench/gpu.py, run from bench/
 from lanes.core.passes import Piece
-from lanes.gpu.blocks import BlockPool, BlockTable, blocks_for
+from lanes.core.blocks import BlockPool, BlockTable, blocks_for
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 

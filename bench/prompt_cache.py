@@ -19,7 +19,7 @@ import trio
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request, TokenEvent
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import choose, runner_for
 from lanes.loader import load_model
 from lanes.models import resolve_model

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import trio  # noqa: E402
 from gpu import build, run_engine, step_times  # noqa: E402
 
-from lanes.core.torch_backend import TorchBackend  # noqa: E402
+from lanes.backend.torch_backend import TorchBackend  # noqa: E402
 from lanes.gpu.device import CudaRunner, choose  # noqa: E402
 from lanes.loader import load_model  # noqa: E402
 

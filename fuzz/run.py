@@ -18,7 +18,7 @@ import trio.testing
 from lanes.core.backend import BackendWrapper
 from lanes.core.commands import WarmCancelled
 from lanes.core.decider import DecisionCancelled, DecisionRequest, DecisionTimeout
-from lanes.core.fake import EOS, FakeBackend, fake_text
+from lanes.core.fake import EOS, FakeBackend, FakeDrafter, fake_text
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import InvalidParameter, SamplingParams
 from lanes.core.stream import BackendFailed, EngineError, Failed, Finished, Request, TokenEvent
@@ -53,16 +53,11 @@ def describe(error: BaseException) -> str:
     return "; then ".join(f"{type(e).__name__}: {e}" for e in reversed(chain))
 
 
-class FuzzCore(LaneCore):
+def fuzz_core(*args, restore_failures: float = 0.0, seed: int = 0, **kwargs) -> LaneCore:
     """The real lane core with one fault switch: restores fail at the scenario's rate (seeded)."""
-
-    def __init__(self, *args, restore_failures: float = 0.0, seed: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._fail_rng = random.Random(seed)
-        self._restore_failures = restore_failures
-
-    def _restore(self, job, match) -> bool:
-        return super()._restore(job, match) and self._fail_rng.random() >= self._restore_failures
+    rng = random.Random(seed)
+    fault = (lambda: rng.random() < restore_failures) if restore_failures else None
+    return LaneCore(*args, restore_fault=fault, **kwargs)
 
 
 @dataclass
@@ -117,7 +112,7 @@ _models: dict[int, object] = {}
 
 def torch_backend(scn: Scenario):
     """The tiny torch model (built once a pool size) as a backend, passes run inline."""
-    from lanes.core.torch_backend import TorchBackend
+    from lanes.backend.torch_backend import TorchBackend
 
     if scn.blocks not in _models:
         import tempfile
@@ -133,7 +128,7 @@ def torch_backend(scn: Scenario):
     return TorchBackend(_models[scn.blocks], InlineRunner(), lanes=scn.lanes, max_model_len=512)
 
 
-def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tuple[FuzzCore, object]:
+def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tuple[LaneCore, object]:
     fail_at = None if solo else scn.device_lost_at
     if backend_kind == "torch":
         backend = LosesDevice(torch_backend(scn), fail_at)
@@ -141,9 +136,13 @@ def build(scn: Scenario, solo: bool = False, backend_kind: str = "fake") -> tupl
         # Half the scenarios run on a fake that feeds (fed passes queued behind the running one).
         backend = FakeBackend(lanes=scn.lanes, blocks=scn.blocks, pass_seconds=scn.pass_seconds, fail_at=fail_at,
                               feeds=scn.seed % 2 == 0)
-    core = FuzzCore(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
-                    max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
-                    restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed)
+    # Solo runs draft nothing: every stream of a drafting scenario must get exactly its undrafted tokens.
+    drafts = None if solo or scn.draft_wrong is None else FakeDrafter(backend.shape.vocab_size, scn.draft_wrong,
+                                                                      seed=scn.seed)
+    core = fuzz_core(backend, fake_text, [EOS], max_rows=scn.max_rows, max_queue=1024 if solo else scn.max_queue,
+                     max_decisions=1024 if solo else scn.max_decisions, cache_bytes=scn.cache_bytes,
+                     restore_failures=0.0 if solo else scn.restore_failure_rate, seed=scn.seed, drafts=drafts,
+                     draft_control=False)  # virtual time: the lengths may not depend on the machine's clock
     return core, backend
 
 
@@ -184,12 +183,12 @@ async def decision_client(core: LaneCore, client, record: Record) -> None:
 async def warm_client(core: LaneCore, client, record: Record) -> None:
     await trio.sleep_until(client.at)
     try:
-        record.result = await core.warm(client.prompt, into_cache=True)
+        record.result = await core.warm(client.prompt)
     except EXPECTED_ERRORS as error:
         record.error = error
 
 
-async def run_scenario(scn: Scenario, backend_kind: str = "fake") -> tuple[dict, FuzzCore]:
+async def run_scenario(scn: Scenario, backend_kind: str = "fake") -> tuple[dict, LaneCore]:
     core, backend = build(scn, backend_kind=backend_kind)
     records: dict[str, Record] = {}
     lost: list[BackendFailed] = []
@@ -209,7 +208,7 @@ async def run_scenario(scn: Scenario, backend_kind: str = "fake") -> tuple[dict,
     return records, core
 
 
-async def run_clients(scn: Scenario, core: FuzzCore, records: dict, run_core) -> None:
+async def run_clients(scn: Scenario, core: LaneCore, records: dict, run_core) -> None:
     async with trio.open_nursery() as outer:
         await outer.start(run_core)
         async with trio.open_nursery() as clients:
@@ -232,7 +231,7 @@ async def shutdown_later(core: LaneCore, at: float, grace: float) -> None:
     core.begin_shutdown(grace)
 
 
-def check(scn: Scenario, records: dict, core: FuzzCore, backend_kind: str = "fake") -> None:
+def check(scn: Scenario, records: dict, core: LaneCore, backend_kind: str = "fake") -> None:
     """Every invariant of the module docstring but the solo runs', or FuzzFailure."""
 
     def fail(message: str) -> None:

@@ -65,6 +65,7 @@ class Scenario:
     device_lost_at: int | None  # the pass number that fails
     shutdown_at: float | None
     grace: float
+    draft_wrong: float | None = None  # a drafter whose tokens are wrong at this rate (None: no drafts)
     drawn: bool = field(default=False, compare=False)  # `draw(seed)` gives it back: the seed reproduces it
 
 
@@ -116,6 +117,7 @@ def draw(seed: int) -> Scenario:
         device_lost_at=rng.randint(1, 60) if rng.random() < 0.1 else None,
         shutdown_at=rng.uniform(0, horizon) if rng.random() < 0.4 else None,
         grace=rng.choice([0.0, 2.0, 100.0]),
+        draft_wrong=rng.choice([None, None, 0.0, 0.3, 1.0]),  # drawn last: the draws before it stay the seed's
         drawn=True,
     )
 
@@ -183,6 +185,7 @@ def scenarios():
             device_lost_at=sometimes(draw, 1, st.integers(1, 60)),
             shutdown_at=sometimes(draw, 4, until(horizon)),
             grace=draw(st.sampled_from((100.0, 2.0, 0.0))),
+            draft_wrong=sometimes(draw, 5, st.sampled_from((0.3, 0.0, 1.0))),
         )
 
     return scenario()

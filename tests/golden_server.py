@@ -23,6 +23,7 @@ from engine_helpers import Gated  # noqa: E402
 from lanes.core.fake import EOS, fake_text  # noqa: E402
 from lanes.core.lane_core import LaneCore  # noqa: E402
 from lanes.families.qwen2_vl import VisionTokens  # noqa: E402
+from lanes.grammar.engine import GrammarEngine  # noqa: E402
 from lanes.http.decode_gate import DecodeGate  # noqa: E402
 from lanes.http.media_fetch import MediaFetcher  # noqa: E402
 from lanes.http.service import Service  # noqa: E402
@@ -183,6 +184,31 @@ CASES = {
     "tool-type-not-function": ("plain", "POST", CHAT, {"messages": HELLO, "tools": [
         {"type": "web_search", "function": {"name": "f"}}]}, {}),
     "user-not-a-string": ("plain", "POST", CHAT, {"messages": HELLO, "user": 7}, {}),
+    "schema-keyword-not-enforced": ("plain", "POST", CHAT, {"messages": HELLO, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"not": {"type": "string"}}}}}, {}),
+    "tool-schema-keyword-not-enforced": ("plain", "POST", CHAT, {"messages": HELLO, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+            "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]}, {}),
+    "response-format-type-unknown": ("plain", "POST", CHAT, {"messages": HELLO, "response_format": {"type": "yaml"}}, {}),
+    "response-format-without-schema": ("plain", "POST", CHAT, {"messages": HELLO, "response_format": {"type": "json_schema"}}, {}),
+    "guided-regex-invalid": ("plain", "POST", "/v1/completions", {"prompt": "hi", "guided_regex": "[a-"}, {}),
+    "guided-grammar-invalid": ("plain", "POST", CHAT, {"messages": HELLO, "guided_grammar": "start: ("}, {}),
+    "guided-choice-empty": ("plain", "POST", CHAT, {"messages": HELLO, "guided_choice": []}, {}),
+    "structured-outputs-unknown-key": ("plain", "POST", CHAT, {"messages": HELLO, "structured_outputs": {"yaml": "x"}}, {}),
+    "two-constraints": ("plain", "POST", CHAT, {"messages": HELLO, "guided_regex": "a+", "response_format": {
+        "type": "json_object"}}, {}),
+    "response-format-beside-tools": ("plain", "POST", CHAT, {"messages": HELLO, "response_format": {"type": "json_object"},
+                                                            "tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
+    "tool-choice-required-without-tools": ("plain", "POST", CHAT, {"messages": HELLO, "tool_choice": "required"}, {}),
+    "tool-choice-unknown-function": ("plain", "POST", CHAT, {"messages": HELLO, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
+    "tool-choice-unknown-word": ("plain", "POST", CHAT, {"messages": HELLO, "tool_choice": "always"}, {}),
+    "parallel-tool-calls-wrong-type": ("plain", "POST", CHAT, {"messages": HELLO, "parallel_tool_calls": "yes"}, {}),
+    "grammar-with-ignore-eos": ("plain", "POST", CHAT, {"messages": HELLO, "guided_choice": ["a"], "ignore_eos": True}, {}),
+    "responses-input-missing": ("plain", "POST", "/v1/responses", {"model": "tiny"}, {}),
+    "responses-unknown-previous": ("plain", "POST", "/v1/responses", {"input": "hi", "previous_response_id": "resp_x"}, {}),
+    "responses-reasoning": ("plain", "POST", "/v1/responses", {"input": "hi", "reasoning": {"effort": "high"}}, {}),
+    "responses-hosted-tool": ("plain", "POST", "/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, {}),
     "logit-bias-not-an-object": ("plain", "POST", CHAT, {"messages": HELLO, "logit_bias": [1, 2]}, {}),
     "logit-bias-key-not-a-token-id": ("plain", "POST", CHAT, {"messages": HELLO, "logit_bias": {"hello": 1}}, {}),
     "logit-bias-value-out-of-range": ("plain", "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, {}),
@@ -238,7 +264,8 @@ def fake_service(folder: Path, **options) -> tuple[Service, Gated]:
     labels, urls = options.pop("labels", False), options.pop("vision_urls", None)
     if urls is None:
         text = tokenizer(folder, labels, options.pop("template", CHATML))
-        return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, **options), backend
+        grammars = GrammarEngine.for_tokenizer(text, text.vocab_size, text.eos_ids | {EOS})  # checks requests' grammars
+        return Service(core, text, "tiny", "fake", length, max_body=MAX_BODY, grammars=grammars, **options), backend
     ids = write_vl_tokenizer(folder, labels=labels)
     tokens = VisionTokens(image=ids["<|image_pad|>"], video=ids["<|video_pad|>"], start=ids["<|vision_start|>"],
                           end=ids["<|vision_end|>"], tokens_per_second=None)

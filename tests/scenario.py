@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from lanes.core.passes import Piece
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockPool, BlockTable
 
 
 

@@ -9,15 +9,18 @@ import trio
 import trio.testing
 
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner
+from lanes.grammar.engine import GrammarEngine
 from lanes.http.service import Service
 from lanes.runtime import Runtime
 
 
 def torch_service(model, *, lanes: int = 4, max_rows: int = 64, max_queue: int = 64, max_model_len: int = 256, **options) -> Service:
-    backend = TorchBackend(model, CpuRunner(), lanes=lanes, max_model_len=max_model_len)
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
+    options.setdefault("grammars", grammars)
+    backend = TorchBackend(model, CpuRunner(), lanes=lanes, max_model_len=max_model_len, grammars=grammars.matcher)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=max_rows, max_queue=max_queue)
     return Service(core, model.tokenizer, "tiny", model.config.family, max_model_len, vocab_size=model.config.vocab_size,
                    **options)

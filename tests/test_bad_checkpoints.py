@@ -36,7 +36,7 @@ def break_checkpoint(fault: str, tmp_path):
         return folder, config, "not valid JSON"
     if fault == "unknown-architecture":
         config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
-        return folder, config, "unknown architecture 'mamba' (supported families: llama, qwen2, qwen2_5_vl, qwen2_vl, qwen3)"
+        return folder, config, "unknown architecture 'mamba' (supported families: glm4_moe, llama, mixtral, qwen2, qwen2_5_vl, qwen2_moe, qwen2_vl, qwen3, qwen3_moe)"
     if fault == "truncated-safetensors":
         truncate(folder / "model.safetensors", 0.6)
         return folder, folder / "model.safetensors", "truncated or corrupt safetensors file"

@@ -5,7 +5,7 @@ Rules: pure host-side tests, no torch; every test ends with `check_integrity()`.
 
 import pytest
 
-from lanes.gpu.blocks import BlockPool, BlockTable, IntegrityError, PoolExhausted, blocks_for
+from lanes.core.blocks import BlockPool, BlockTable, IntegrityError, PoolExhausted, blocks_for
 
 
 def test_allocate_takes_low_ids_first_and_release_returns_them():

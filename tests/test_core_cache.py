@@ -3,8 +3,7 @@ blocks are kept after its prompt pass, a failed restore falls back to a fresh pr
 streams give exactly the tokens fresh ones give, and hits and misses count each request once.
 
 Rules: exact plans and tokens on the fake backend (its tokens depend on the KV it reads, so a wrong
-restore shows); greedy equality on a tiny torch model; failures injected by monkeypatching the lane core's
-restore (never left in the code); `check_integrity()` (pool and cache) when each core stops.
+restore shows); greedy equality on a tiny torch model; failures injected through the lane core's `restore_fault`; `check_integrity()` (pool and cache) when each core stops.
 """
 
 import pytest
@@ -13,7 +12,6 @@ import torch
 import tiny
 from engine_helpers import Gated, collect, greedy, lanes_of, running
 from lanes.core.fake import FakeBackend
-from lanes.core.lane_core import LaneCore
 from lanes.core.stream import Request
 
 SYSTEM = tuple(range(100, 100 + 48))  # three full blocks
@@ -46,11 +44,12 @@ async def collect_alone(prompt):
         return (await collect(await core.submit(Request(prompt, greedy(6, ignore_eos=True))))).tokens
 
 
-async def test_a_failed_restore_falls_back_to_a_fresh_prefill(monkeypatch):
+async def test_a_failed_restore_falls_back_to_a_fresh_prefill():
     backend = FakeBackend(lanes=2, blocks=64)
-    async with running(backend, max_rows=64, cache_bytes=64) as core:
+    failing = []  # from the second request on, every restore fails
+    async with running(backend, max_rows=64, cache_bytes=64, restore_fault=lambda: bool(failing)) as core:
         first = await collect(await core.submit(Request(question(0), greedy(6, ignore_eos=True))))
-        monkeypatch.setattr(LaneCore, "_restore", lambda self, job, match: False)
+        failing.append(True)
         again = await collect(await core.submit(Request(question(0), greedy(6, ignore_eos=True))))
         stats = core.cache.statistics()
     assert again.tokens == first.tokens and again.last.cached_tokens == 0
@@ -87,17 +86,18 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("restore_fails", [False, True])
-async def test_restored_prefixes_give_the_tokens_of_a_fresh_prefill_on_a_torch_model(tiny_model, restore_fails, monkeypatch):
-    from lanes.core.torch_backend import TorchBackend, text_factory
+async def test_restored_prefixes_give_the_tokens_of_a_fresh_prefill_on_a_torch_model(tiny_model, restore_fails):
+    from lanes.backend.torch_backend import TorchBackend, text_factory
     from lanes.gpu.device import CpuRunner
 
     g = torch.Generator().manual_seed(5)
     shared = tuple(torch.randint(0, tiny_model.config.vocab_size, (70,), generator=g).tolist())
     prompts = [shared + tuple(torch.randint(0, 200, (k,), generator=g).tolist()) for k in (3, 9, 17, 1)]
 
-    async def run(cache_bytes):
+    async def run(cache_bytes, fault=None):
         backend = TorchBackend(tiny_model, CpuRunner(), lanes=2, max_model_len=256)
-        options = dict(text=text_factory(tiny_model.tokenizer), stop_ids=(), max_rows=32, cache_bytes=cache_bytes)
+        options = dict(text=text_factory(tiny_model.tokenizer), stop_ids=(), max_rows=32, cache_bytes=cache_bytes,
+                       restore_fault=fault)
         async with running(backend, **options) as core:
             out = []
             for prompt in prompts:  # one after another, so every later one can restore
@@ -105,9 +105,7 @@ async def test_restored_prefixes_give_the_tokens_of_a_fresh_prefill_on_a_torch_m
             return out
 
     fresh = await run(0)
-    if restore_fails:
-        monkeypatch.setattr(LaneCore, "_restore", lambda self, job, match: False)
-    cached = await run(1 << 30)
+    cached = await run(1 << 30, (lambda: True) if restore_fails else None)
     assert [o.tokens for o in cached] == [o.tokens for o in fresh]
     expected = [0, 0, 0, 0] if restore_fails else [0, 64, 64, 64]
     assert [o.last.cached_tokens for o in cached] == expected

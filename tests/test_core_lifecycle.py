@@ -12,9 +12,6 @@ from engine_helpers import Gated, collect, greedy, lanes_of, prompt, running, so
 from lanes.core.commands import WarmCancelled
 from lanes.core.fake import EOS, FakeBackend, fake_text
 from lanes.core.lane_core import LaneCore
-from lanes.core.passes import Piece
-from lanes.core.plan import Plan, Work
-from lanes.core.sampling import RowSampling
 from lanes.core.stream import BackendFailed, Failed, Finished, Request, ShuttingDown, TokenEvent
 
 
@@ -69,7 +66,7 @@ async def test_cancel_while_decoding_by_closing_the_stream():
         release.set()
         assert (await collect(other)).last.reason == "length"
         assert core.statistics().streams_cancelled == 1
-    assert stream.id not in core._jobs
+    assert core.statistics().jobs_held == 0
     after = backend.plans[held + 1 :]  # every pass after the held one (plans[held]): lane 1 has no rows
     assert after and all(lanes_in(p) == {0} for p in after)
 
@@ -171,15 +168,15 @@ async def test_shutdown_answers_every_waiter_at_every_stage(autojump_clock):
     assert core.pool.free == core.pool.total and not backend.bound
 
 
-async def test_a_warm_pass_on_a_quiet_engine_hands_over_its_full_blocks():
+async def test_a_warm_pass_on_a_quiet_engine_keeps_its_full_blocks_in_the_prompt_cache():
     backend = FakeBackend(lanes=2, blocks=64)
-    async with running(backend, max_rows=16) as core:
+    async with running(backend, max_rows=16, cache_bytes=8) as core:
         result = await core.warm(prompt(40))
-        assert result.tokens == prompt(40)[:32]
-        assert len(result.blocks) == 2
-        assert [core.pool.refs(b) for b in result.blocks] == [1, 1]
-        assert core.pool.held(result.owner) == sorted(result.blocks)
-        core.pool.release(result.owner)
+        assert result.tokens == prompt(40)[:32] and result.kept
+        cache = core.cache.statistics()
+        assert (cache.entries, cache.pinned) == (2, 0)
+        assert all(owner[0] == "cache" for owner in core.pool.owners()) and core.pool.free == core.pool.total - 2
+        assert core.cache.lookup(prompt(40)).tokens == 32
     assert [lanes_of(p) for p in backend.plans] == [[(0, 0, 16)], [(0, 16, 16)], [(0, 32, 8)]]
     assert all(w.sample is None for p in backend.plans for w in p.work)
 
@@ -232,21 +229,6 @@ async def test_a_running_warm_pass_is_cancelled_by_a_newer_request():
         assert (await collect(stream)).last.reason == "length"
     warm_plans = [p for p in backend.plans if any(49 in w.piece.tokens for w in p.work)]
     assert [lanes_of(p) for p in warm_plans] == [[(0, 0, 8)]]
-
-
-async def test_adopt_prefilled_continues_a_stream_a_driver_prefilled():
-    request = Request(prompt(21), greedy(6, ignore_eos=True))
-    backend = FakeBackend(lanes=2, blocks=64)
-    async with running(backend) as core:
-        owner = ("driver", 1)
-        blocks = core.pool.allocate(owner, 2)
-        driver_plan = Plan(step=-1, work=(Work(Piece(0, request.prompt, 0, tuple(blocks)),
-                                               sample=RowSampling(0, request.sampling, 0)),), prefills=1)
-        first = (await backend.step(driver_plan)).sampled[0].token
-        stream = await core.adopt_prefilled(request, blocks, owner, first)
-        assert core.pool.held(owner) == []
-        adopted = await collect(stream)
-    assert adopted.tokens == (await solo(request)).tokens
 
 
 async def test_a_lost_device_fails_every_waiter_and_stops_the_core():

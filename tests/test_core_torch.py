@@ -18,7 +18,7 @@ from lanes.followers import Followers, FollowersBackend
 from lanes.core.metered import MeteredBackend
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import PromptLogprobs, Request, TokenEvent
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import choose, cuda_device_count, runner_for
 from lanes.loader import load_model
 
@@ -71,6 +71,25 @@ async def test_twelve_concurrent_streams_equal_their_solo_runs(tiny_model, kind)
     if kind != "greedy":
         again, _ = await run_all(model, reqs, lanes=3, max_rows=16)
         assert [o.tokens for o in again] == [o.tokens for o in together]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def moe_model(request, tmp_path_factory):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    folder = tmp_path_factory.mktemp("tiny-qwen2-moe")
+    tiny.build("qwen2_moe", folder, num_hidden_layers=2, max_position_embeddings=256, num_experts=16, num_experts_per_tok=4)
+    return load_model(folder, choose(request.param, "fp32"), kv_blocks=160, quiet=True)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+async def test_concurrent_streams_of_an_moe_family_equal_their_solo_runs(moe_model, kind):
+    """A token's experts are its own: streams batched into shared passes route and decode as they do alone."""
+    reqs = requests(moe_model.config.vocab_size, SAMPLINGS[kind])
+    together, stats = await run_all(moe_model, reqs, lanes=5)
+    assert stats.passes < sum(len(r.prompt) for r in reqs)
+    for request, outcome in zip(reqs, together):
+        (alone,), _ = await run_all(moe_model, [request], lanes=1)
+        assert outcome.tokens == alone.tokens and len(outcome.tokens) == 10
 
 
 class CountsFed(BackendWrapper):

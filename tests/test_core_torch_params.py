@@ -17,7 +17,7 @@ import tiny
 from engine_helpers import collect, running
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import PromptLogprobs, Request
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import choose, cuda_device_count, runner_for
 from lanes.loader import load_model
 

@@ -9,7 +9,7 @@ import torch
 import trio
 
 from lanes.generate import greedy
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockPool, BlockTable
 from lanes.core.passes import Piece
 from lanes.gpu.device import CpuRunner, choose
 from lanes.loader import load_model

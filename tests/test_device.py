@@ -12,7 +12,7 @@ import trio
 
 import scenario
 import tiny
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.device import CpuRunner, DeviceError, choose, cuda_device_count, runner_for
 from lanes.gpu.polling import PassWaiter
 from lanes.loader import load_model
@@ -201,7 +201,7 @@ async def test_cuda_pass_runs_on_the_cuda_python_stream_and_awaits_its_event():
 
 @needs_cuda
 async def test_a_pass_launched_from_the_event_loop_is_read_there_and_the_loop_runs_while_it_does():
-    from lanes.core.torch_backend import _Pending
+    from lanes.backend.torch_backend import _Pending
 
     placement = choose("cuda", "bf16")
     runner = runner_for(placement)

@@ -12,7 +12,7 @@ import torch
 
 import tiny
 from lanes.core.passes import Piece
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockPool, BlockTable
 from lanes.gpu.device import choose, cuda_device_count
 
 if cuda_device_count() == 0 and os.environ.get("TRITON_INTERPRET") != "1":
@@ -48,6 +48,9 @@ def decode_inputs(model, tables, lengths, tokens, width):
 @pytest.mark.parametrize("kind, overrides, lanes", [
     ("qwen2", {}, [5, 17, 33]), ("qwen3", dict(head_dim=32), [5, 17, 33]), ("llama", dict(num_key_value_heads=4), [5, 17, 33]),
     ("qwen2", {}, [21]), ("qwen3", dict(head_dim=32), [9]),  # one row: the fused GEMVs
+    # MoE parts in the fast step: grouped sigmoid routing, a dense first layer, partial rotary in the RoPE kernel
+    ("glm4_moe", dict(num_hidden_layers=3, attention_bias=True, n_group=2, topk_group=1), [5, 17, 33]),
+    ("qwen2_moe", {}, [5, 17, 33]), ("qwen3_moe", dict(head_dim=32, num_experts=16, num_experts_per_tok=8), [9]),
 ])
 def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -70,7 +73,7 @@ def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_p
 @pytest.mark.parametrize("dtype, captured", [("fp32", True), ("bf16", True), ("fp32", False)])
 def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
     """Captured (one rank) or launched uncaptured on the pieces' exact rows (what tensor-parallel ranks run)."""
-    from lanes.core.sampling import greedy_draw
+    from lanes.gpu.graphs import greedy_draw
     from lanes.gpu.graphs import DecodeGraphs
 
     if captured and DEVICE != "cuda":
@@ -110,7 +113,7 @@ def test_graphed_decode_equals_the_eager_forward(dtype, captured, tmp_path):
 def test_passes_with_short_prompts_equal_the_general_forward(dtype, captured, tmp_path):
     """Prompts (a whole one, a first chunk without logits, its next chunk) beside decode rows, in one
     graph: the asked-for rows' logits equal the general forward's, and decoding on goes on agreeing."""
-    from lanes.core.sampling import greedy_draw
+    from lanes.gpu.graphs import greedy_draw
     from lanes.gpu.graphs import DecodeGraphs
 
     if captured and DEVICE != "cuda":

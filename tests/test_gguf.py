@@ -13,7 +13,7 @@ import scenario
 import tiny
 import tiny_gguf
 from lanes.checkpoint.gguf_source import unpermute
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.device import choose
 from lanes.loader import load_model
 
@@ -55,3 +55,52 @@ def test_gguf_equals_transformers_gguf_loader(arch, matrix_type, overrides, tmp_
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
     assert ours[2] == theirs[2]
     pool.check_integrity()
+
+
+MOE_CASES = {  # fp32 files against transformers on the folder the file was written from
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
+    "qwen2_moe": dict(num_key_value_heads=1),
+    "mixtral": dict(num_key_value_heads=2),  # llama architecture: Q/K rows permuted
+    "glm4_moe": dict(num_hidden_layers=3, attention_bias=True, routed_scaling_factor=1.5),
+}
+
+
+def assert_equal_over_the_scenario(model, reference, steps: int = 8) -> None:
+    pool = BlockPool(model.kv_blocks)
+    prompt_ids = scenario.prompts(model.config.vocab_size)
+    ours = scenario.run(model.decoder, pool, prompt_ids, steps=steps)
+    theirs = scenario.reference(reference, prompt_ids, ours[2], steps=steps)
+    for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
+    assert ours[2] == theirs[2]
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("kind", sorted(MOE_CASES))
+def test_moe_gguf_with_stacked_experts_equals_its_hugging_face_folder(kind, tmp_path):
+    """llama.cpp's layout (experts stacked, names from the gguf package's map, GLM's MTP block past the
+    last layer) read back equals transformers on the weights the file was written from."""
+    source = tiny.build(kind, tmp_path / "hf", **MOE_CASES[kind])
+    path = tmp_path / f"tiny-{kind}.gguf"
+    tiny_gguf.write_moe(source.config, tmp_path / "hf", path, Q.F32)
+    stacked = [t for t in gguf.GGUFReader(path).tensors if t.name.endswith("_exps.weight")]
+    assert stacked and all(len(t.shape) == 3 for t in stacked)
+    model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
+    assert model.config.family == kind and model.config.layers == source.config.num_hidden_layers
+    assert_equal_over_the_scenario(model, source)
+
+
+def test_quantized_qwen3_moe_gguf_equals_transformers_gguf_loader(tmp_path):
+    """Q8_0 experts and attention (routers in float32, as the converter keeps them), against transformers'
+    own GGUF loader reading the same file. Its GGUF mapping reads no expert_feed_forward_length, so the
+    experts here have its default size, 768."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny.build("qwen3_moe", tmp_path / "hf", num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                        moe_intermediate_size=768)
+    path = tmp_path / "tiny-qwen3_moe-Q8_0.gguf"
+    tiny_gguf.write_moe(source.config, tmp_path / "hf", path, Q.Q8_0)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    assert not torch.equal(reference.model.layers[0].mlp.experts.down_proj, source.model.layers[0].mlp.experts.down_proj)
+    model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
+    assert_equal_over_the_scenario(model, reference)

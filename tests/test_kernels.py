@@ -18,8 +18,8 @@ if cuda_device_count() == 0:
 DEVICE = "cuda" if cuda_device_count() else "cpu"
 pytest.importorskip("triton")
 
-from lanes.families.decoder import rms_norm  # noqa: E402
-from lanes.families.rope import apply_rotary, cos_sin  # noqa: E402
+from lanes.families.norm import rms_norm  # noqa: E402
+from lanes.families.rope import cos_sin  # noqa: E402
 from lanes.gpu import kernels  # noqa: E402
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention  # noqa: E402
 
@@ -116,21 +116,32 @@ def test_add_rms_norm_equals_eager(dtype, rows, cols, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens, hq, hkv, d", [(1, 14, 2, 64), (9, 4, 4, 32), (33, 8, 2, 128)])
-def test_rope_write_kv_equals_eager_rotation_and_write(dtype, tokens, hq, hkv, d):
-    g = torch.Generator().manual_seed(tokens * d)
+@pytest.mark.parametrize("tokens, hq, hkv, d, rotary", [
+    (1, 14, 2, 64, 64), (9, 4, 4, 32, 32), (33, 8, 2, 128, 128),
+    (5, 12, 2, 128, 64), (3, 4, 2, 16, 8), (7, 4, 1, 64, 16),  # partial rotary (GLM-4.5 rotates half of each head)
+])
+def test_rope_write_kv_equals_eager_rotation_and_write(dtype, tokens, hq, hkv, d, rotary):
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(tokens * d + rotary)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
     positions = torch.randint(0, 3000, (tokens,), generator=g).to(DEVICE)
     slots = torch.randperm(256, generator=g)[:tokens].to(DEVICE)
-    inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))).to(DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))).to(DEVICE)
     cache_k = torch.zeros(256, hkv, d, device=DEVICE, dtype=dtype)
     cache_v = torch.zeros(256, hkv, d, device=DEVICE, dtype=dtype)
-    q = kernels.rope_write_kv(qkv, positions, slots, inv_freq, 1.0, cache_k, cache_v, hq, hkv, d)
+    q = kernels.rope_write_kv(qkv, positions, slots, inv_freq, 1.0, cache_k, cache_v, hq, hkv, d, rotary_dim=rotary)
     qe, ke, ve = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    cos, sin = cos_sin(inv_freq, 1.0, positions, dtype)
-    close(q, apply_rotary(qe.view(tokens, hq, d), cos, sin), dtype)
-    close(cache_k[slots], apply_rotary(ke.view(tokens, hkv, d), cos, sin), dtype)
+    cos, sin = cos_sin(inv_freq, 1.0, positions, dtype)  # [T, rotary]
+    # transformers' rotation (the first `rotary` dimensions of each head; the rest pass through), [1, H, T, D]
+    heads = lambda x, h: x.view(tokens, h, d).transpose(0, 1)[None]  # noqa: E731
+    q_ref, k_ref = apply_rotary_pos_emb(heads(qe, hq), heads(ke, hkv), cos[None], sin[None])
+    close(q, q_ref[0].transpose(0, 1), dtype)
+    close(cache_k[slots], k_ref[0].transpose(0, 1), dtype)
     assert torch.equal(cache_v[slots], ve.reshape(tokens, hkv, d))
+    if rotary < d:  # the dimensions past the rotated ones are copied exactly
+        assert torch.equal(q[..., rotary:], qe.view(tokens, hq, d)[..., rotary:])
+        assert torch.equal(cache_k[slots][..., rotary:], ke.view(tokens, hkv, d)[..., rotary:])
     untouched = torch.ones(256, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert not cache_k[untouched].any() and not cache_v[untouched].any()

@@ -22,8 +22,9 @@ import tiny
 import tiny_gguf
 from lanes.checkpoint.gguf_source import GGUFSource
 from lanes.checkpoint.safetensors_source import SafetensorsSource
-from lanes.families.weights import Shard, load_decoder, tensor_count
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
+from lanes.families.layers import load_decoder, tensor_count
+from lanes.families.weights import Shard
 from lanes.gpu.device import choose
 from lanes.loader import load_model, open_checkpoint
 
@@ -190,8 +191,8 @@ def test_weights_reach_the_device_one_tensor_at_a_time_in_the_target_dtype(form,
     assert max(source.alive_at_get) == 0  # no host copy outlived its placement on the device
     assert all(ref() is None for ref in source.given)
     weights = model.decoder.weights
-    assert weights.embed.dtype == torch.bfloat16 and weights.layers[0].qkv.dtype == torch.bfloat16
-    torch.testing.assert_close(weights.layers[1].down, reference.model.layers[1].mlp.down_proj.weight.bfloat16(),
+    assert weights.embed.dtype == torch.bfloat16 and weights.layers[0].attention.qkv.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(weights.layers[1].ffn.down.linear.weight, reference.model.layers[1].mlp.down_proj.weight.bfloat16(),
                                rtol=0, atol=0.02 if form == "gguf" else 0)
 
     # rank 1 of 2 reads only its half of every split matrix (the vocabulary rows are sliced after the read)

@@ -9,7 +9,7 @@ referenced (and charged) until the last unpin.
 import pytest
 
 from lanes.core.prompt_cache import PromptCache
-from lanes.gpu.blocks import BlockPool, IntegrityError
+from lanes.core.blocks import BlockPool, IntegrityError
 
 BS = 16
 BPB = 100  # bytes a block, for round numbers

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import tiny
-from lanes.core.lane_core import IntegrityError
+from lanes.core.blocks import IntegrityError
 from lanes.followers import HEARTBEAT
 from lanes.gpu.device import choose
 from lanes.gpu.ranks import PASS_SECONDS
@@ -242,6 +242,35 @@ async def test_a_server_that_stops_with_a_block_still_held_logs_its_books_and_fa
                       f"{service.core.pool.statistics()}"]
 
 
+async def test_two_ranks_of_an_moe_family_equal_the_single_rank_server(tmp_path):
+    """GLM-4.5's shape (a dense first layer, grouped sigmoid routing, a shared expert, partial rotary) over
+    gloo: every expert split over both ranks; prompt passes and decode rows in shared passes."""
+    tiny.build("glm4_moe", tmp_path, num_hidden_layers=3, n_group=2, topk_group=1, attention_bias=True)
+    model = load_model(tmp_path, choose("cpu", "fp32"), kv_blocks=200, quiet=True)
+    with trio.fail_after(120):
+        async with serving(torch_service(model, lanes=4, max_model_len=512)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                expected = {p: (await http.post("/v1/completions", json=completion(p, logprobs=3))).json() for p in PROMPTS}
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, url = await start_two_ranks(nursery, tmp_path, "--lanes", "4")
+            replies = {}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+
+                async def ask(prompt):
+                    replies[prompt] = (await http.post("/v1/completions", json=completion(prompt, logprobs=3))).json()
+
+                async with trio.open_nursery() as clients:
+                    for prompt in PROMPTS:
+                        clients.start_soon(ask, prompt)
+            rank0.signal(signal.SIGTERM)
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 0, rank0.text
+                assert await rank1.exit_code() == 0, rank1.text
+    for prompt in PROMPTS:
+        assert_same(replies[prompt], expected[prompt])
+    assert "Traceback" not in rank0.text + rank1.text
+
+
 def test_rank_flags_are_checked_before_anything_loads(folder):
     import subprocess
     import sys
@@ -249,3 +278,32 @@ def test_rank_flags_are_checked_before_anything_loads(folder):
     refused = subprocess.run([sys.executable, "-m", "lanes", "serve", "--model", str(folder), "--tp", "2", "--rank", "2",
                               "--master", "127.0.0.1", "--master-port", "1"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.strip() == "lanes: error: --rank 2 is outside 0..1"
+
+
+async def test_two_ranks_drafting_equal_one_rank_without_drafts(folder):
+    """The plan carries the drafts, so rank 1 runs the same drafted rows; a bias makes the output repeat, so
+    n-grams draft (most of them right). Constrained streams too: rank 0 alone computes masks."""
+    bodies = [completion(p, 30, logprobs=2, logit_bias={str(11 + i): 100}) for i, p in enumerate(PROMPTS)]
+    bodies += [completion(p, 16, logprobs=2) for p in PROMPTS]
+    bodies += [{"prompt": p, "max_tokens": 20, "temperature": 0, "logprobs": 2, **held}
+               for p, held in zip(PROMPTS, [{"guided_regex": "[a-z ]{2,30}"}, {"guided_choice": ["mat", "hat"]},
+                                            {"response_format": {"type": "json_object"}},
+                                            {"structured_outputs": {"regex": "(sat ){1,9}"}}])]
+    model = load_model(folder, choose("cpu", "fp32"), kv_blocks=200, quiet=True)
+    with trio.fail_after(120):
+        async with serving(torch_service(model, lanes=4, max_model_len=512)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                expected = [(await http.post("/v1/completions", json=body)).json() for body in bodies]
+        async with trio.open_nursery() as nursery:
+            rank0, rank1, url = await start_two_ranks(nursery, folder, "--lanes", "4", "--draft", "ngram",
+                                                       "--draft-lengths", "fixed")
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                got = [(await http.post("/v1/completions", json=body)).json() for body in bodies]
+                drafts = (await http.get("/v1/info")).json()["drafts"]
+            rank0.signal(signal.SIGTERM)
+            with trio.fail_after(BOUND):
+                assert await rank0.exit_code() == 0, rank0.text
+                assert await rank1.exit_code() == 0, rank1.text
+    for reply, want in zip(got, expected, strict=True):
+        assert_same(reply, want)
+    assert drafts["method"] == "ngram" and drafts["pieces"] > 0 and drafts["accepted"] > 0, drafts

@@ -21,21 +21,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from lanes.core.penalties import PenaltyState
-from lanes.core.sampling import (
-    GOLDEN,
-    InvalidParameter,
-    RowSampling,
-    SamplingParams,
-    greedy_draw,
-    plain_greedy,
-    prompt_logprobs,
-    process,
-    read_back,
-    sample,
-    splitmix64,
-    uniforms,
-)
+from lanes.backend.draws import GOLDEN, Sampled, on_host, prompt_logprobs, process, sample, splitmix64, uniforms
+from lanes.gpu.transfer import to_host
+from lanes.backend.penalties import PenaltyState
+from lanes.core.sampling import InvalidParameter, RowSampling, SamplingParams, plain_greedy
+from lanes.gpu.graphs import greedy_draw
 
 VOCAB = 64
 # (params, prompt, produced tokens) per row; lanes are the row numbers.
@@ -254,18 +244,18 @@ def test_logprobs_are_the_raw_log_softmax_and_its_topk():
     assert torch.equal(sampled.logprobs, reference.gather(1, sampled.tokens[:, None]).squeeze(1))
     values, ids = torch.topk(reference, 11, dim=-1)
     assert torch.equal(sampled.top_ids, ids) and torch.equal(sampled.top_logprobs, values)
-    host = read_back(sampled, rows)
+    host = on_host(Sampled(*to_host([sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs])), rows)
     assert host.tokens == sampled.tokens.tolist()
     assert host.logprobs == sampled.logprobs.tolist()
     assert [len(t) for t in host.top] == [1, 0, 0, 7, 0, 11, 0, 0]
     assert host.top[3] == list(zip(ids[3, :7].tolist(), values[3, :7].tolist()))
 
 
-def test_read_back_without_top_logprobs_and_an_odd_count():
+def test_the_read_back_without_top_logprobs_and_an_odd_count():
     rows = [seeded(SamplingParams(), seed=s) for s in range(3)]
     sampled = sample(random_logits(3), rows, None)
     assert tuple(sampled.top_ids.shape) == (3, 0)
-    host = read_back(sampled, rows)
+    host = on_host(Sampled(*to_host([sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs])), rows)
     assert host.tokens == sampled.tokens.tolist()
     assert host.logprobs == sampled.logprobs.tolist()
     assert host.top == [[], [], []]
@@ -289,6 +279,8 @@ def test_penalty_state_is_allocated_at_the_first_bind():
     assert not state.allocated
     state.check_integrity()
     state.bind(2, [1, 1, 5])
+    assert not state.allocated  # the device writes wait for the next pass's flush, on its stream
+    state.flush()
     assert state.allocated
     state.check_integrity()
 

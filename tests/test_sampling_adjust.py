@@ -13,7 +13,9 @@ import torch
 from test_sampling import VOCAB, bound_state, random_logits, seeded, transformers_row
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor
 
-from lanes.core.sampling import RowSampling, SamplingParams, plain_greedy, process, sample
+from lanes.core.sampling import RowSampling, SamplingParams, plain_greedy
+
+from lanes.backend.draws import process, sample
 
 BIAS = ((3, 5.5), (17, -100.0), (40, 100.0), (63, -2.25))
 # (params, prompt, produced tokens) per row; lanes are the row numbers.

@@ -12,7 +12,7 @@ import pytest
 import tiny
 from golden_server import HELLO
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner, choose
 from lanes.http.service import Service
 from lanes.http.tool_system import ToolSystem

@@ -17,7 +17,7 @@ import torch
 
 import tiny
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner, choose
 from lanes.http.decision_prompts import Option, Question, find_label_tokens, render
 from lanes.http.service import Service

@@ -146,3 +146,24 @@ async def test_a_handler_that_fails_answers_in_openais_shape_and_is_counted_as_w
     assert answer.status_code == status and answer.json()["error"]["code"] == code
     assert "Traceback" not in answer.text and health.status_code == 200
     assert counted(service, "completions", status) == 1 and counted(service, "completions", 499) == 0
+
+
+async def test_metrics_report_the_backends_pass_times(tmp_path):
+    from lanes.core.fake import FakeBackend, fake_text
+    from lanes.core.lane_core import LaneCore
+    from lanes.core.metered import MeteredBackend
+    from lanes.http.service import Service
+
+    service, _ = fake_service(tmp_path)
+    metered = MeteredBackend(FakeBackend(lanes=2, blocks=64, max_model_len=64))
+    core = LaneCore(metered, fake_text, [1])
+    service = Service(core, service.tokenizer, "tiny", "fake", 64, pass_times=metered.statistics)
+    async with serving(service) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            await http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+            text = (await http.get("/metrics")).text
+    total = re.search(r'^lanes_backend_pass_seconds_total\{model_name="tiny"\} (\S+)$', text, re.M)
+    longest = re.search(r'^lanes_backend_pass_seconds_max\{model_name="tiny"\} (\S+)$', text, re.M)
+    assert metered.statistics().passes == 3 and total and longest
+    assert float(total.group(1)) == pytest.approx(metered.statistics().seconds_total)
+    assert 0 < float(longest.group(1)) <= float(total.group(1))

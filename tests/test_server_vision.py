@@ -19,7 +19,7 @@ from PIL import Image
 
 import tiny_vl
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner, choose
 from lanes.http.media_fetch import MediaFetcher
 from lanes.http.service import Service

@@ -22,7 +22,7 @@ import tiny_vl
 from lanes.core.decider import common_prefix, shared_trunk
 from lanes.core.lane_core import LaneCore
 from lanes.core.media import PromptMedia
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner, choose
 from lanes.http.decision_prompts import Option, Question, find_label_tokens, render
 from lanes.http.media_fetch import MediaFetcher

@@ -1,5 +1,6 @@
 """Tensor-parallel shards in one process: a model built for world 2 (and 4), every rank run as a thread whose
-collectives sum or gather the others' partial outputs, equals the same model at world 1.
+collectives sum or gather the others' partial outputs, equals the same model at world 1 (dense families,
+and MoE families whose every rank holds a slice of every expert).
 
 Rules: tiny random models built in the test; fp32 on the CPU; logits within 1e-5 of world 1; identical
 greedy tokens on every rank; each rank's block pool balanced.
@@ -13,7 +14,7 @@ import torch
 import scenario
 import tiny
 from lanes.families.weights import Shard
-from lanes.gpu.blocks import BlockPool
+from lanes.core.blocks import BlockPool
 from lanes.gpu.collective import ThreadGroup
 from lanes.gpu.device import choose
 from lanes.loader import load_model
@@ -53,6 +54,10 @@ def run_ranks(folder, world: int, prompt_ids):
         ("llama", 2, dict(num_key_value_heads=1, tie_word_embeddings=True)),  # one KV head replicated
         ("qwen3", 4, dict(num_key_value_heads=2, head_dim=16)),  # q/k norms per head, KV heads replicated pairwise
         ("llama", 2, dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),  # row-parallel biases added once
+        ("qwen2_moe", 2, dict(num_key_value_heads=2)),  # every expert's intermediate split, the gated shared expert too
+        ("glm4_moe", 2, dict(num_hidden_layers=3, n_group=2, topk_group=1)),  # a dense first layer, sigmoid routing
+        ("mixtral", 2, dict(num_key_value_heads=1)),  # routed partial sums, the one KV head replicated
+        ("qwen3_moe", 4, dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True)),  # four slices of each expert
     ],
 )
 def test_world_n_equals_world_1(kind, world, overrides, tmp_path):

@@ -16,7 +16,7 @@ import trio
 
 import tiny
 from lanes.core.lane_core import LaneCore
-from lanes.core.torch_backend import TorchBackend, text_factory
+from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.gpu.device import CpuRunner, choose
 from lanes.http.service import Service
 from lanes.http.tool_system import ToolSystem

@@ -20,9 +20,9 @@ from lanes.core.media import PromptMedia
 from lanes.core.passes import Piece
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request, TokenEvent
-from lanes.core.torch_backend import TorchBackend, text_factory
-from lanes.core.vision_lanes import VisionLanes
-from lanes.gpu.blocks import BlockPool, BlockTable
+from lanes.backend.torch_backend import TorchBackend, text_factory
+from lanes.backend.vision_lanes import VisionLanes
+from lanes.core.blocks import BlockPool, BlockTable
 from lanes.gpu.device import CpuRunner, choose
 from lanes.loader import load_model
 

@@ -50,31 +50,48 @@ def write_tokenizer(folder: Path, chat_template: str = CHATML, labels: bool = Fa
     return len(vocab)
 
 
+ROUTER = "mlp.gate.weight"  # every MoE family's router, as transformers names it in memory
+
+
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Every parameter random (biases and norms too, which transformers would start at 0 and 1)."""
+    """Every parameter random (biases and norms too, which transformers would start at 0 and 1), routers
+    wider so that a token's experts are chosen by clear margins, and GLM's correction bias too (a buffer)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator) * 0.15
+            noise = torch.randn(param.shape, generator=generator) * (0.5 if name.endswith(ROUTER) else 0.15)
             param.copy_(1.0 + noise if "norm" in name else noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * 0.1)
+
+
+MOE_BASE = {  # small expert counts and sizes, overridden by each test's config
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1),
+}
 
 
 def build(kind: str, folder: Path, seed: int = 0, labels: bool = False, **overrides):
-    """A transformers model of family `kind` (llama, qwen2, qwen3) saved with a tokenizer; returns the model."""
+    """A transformers model of family `kind` (llama, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, glm4_moe)
+    built with `from_config` and saved with a tokenizer; returns the model."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(folder, labels=labels)
     base = dict(vocab_size=vocab + 6, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **MOE_BASE.get(kind, {}))
     base.update(overrides)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    config_class = {
+        "llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig, "glm4_moe": transformers.Glm4MoeConfig,
     }[kind]
     torch.manual_seed(seed)
-    model = model_class(config_class(**base)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**base)).eval()
     randomize(model, seed)
     model.save_pretrained(folder)
     return model

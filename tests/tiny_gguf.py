@@ -1,16 +1,19 @@
 """Tiny GGUF files written in tests with the gguf package's writer, from a transformers model's weights,
-laid out as llama.cpp's converter lays them out (names, the llama Q/K row permutation, quantized matrices).
+laid out as llama.cpp's converter lays them out (names, the llama Q/K row permutation, quantized matrices;
+for MoE models each layer's experts stacked into 3-D tensors, named by the gguf package's own tensor map).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
 import gguf
 import numpy as np
 import torch
+from safetensors import safe_open
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -45,7 +48,29 @@ def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuan
     the model's row order (the llama Q/K permutation is applied to its rows afterwards)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
+    _header(writer, config, folder)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().to(torch.float32).numpy()
+        if encode is not None and array.ndim == 2:
+            stored = encode(name, array)
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                stored = llama_cpp_permute(stored, heads if ".q_proj." in name else kv_heads)  # it moves rows only, so raw rows move as float ones
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(stored), raw_dtype=matrix_type)
+            continue
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, kv_heads)
+        _add(writer, gguf_name(name), array, matrix_type)
+    _finish(writer)
+
+
+def _header(writer: gguf.GGUFWriter, config, folder: Path, block_count: int | None = None) -> None:
+    """The model's shape and its tokenizer (from `folder`), as the converter writes them."""
+    writer.add_block_count(block_count or config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -69,29 +94,79 @@ def write(model, folder: Path, path: Path, arch: str, matrix_type: gguf.GGMLQuan
     writer.add_bos_token_id(tokens.index("<s>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))
     writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        array = tensor.detach().to(torch.float32).numpy()
-        if encode is not None and array.ndim == 2:
-            stored = encode(name, array)
-            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-                stored = llama_cpp_permute(stored, heads if ".q_proj." in name else kv_heads)  # it moves rows only, so raw rows move as float ones
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(stored), raw_dtype=matrix_type)
-            continue
-        if arch == "llama" and ".q_proj." in name:
-            array = llama_cpp_permute(array, heads)
-        elif arch == "llama" and ".k_proj." in name:
-            array = llama_cpp_permute(array, kv_heads)
-        if array.ndim == 2 and matrix_type != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
-        else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+
+
+def _add(writer: gguf.GGUFWriter, name: str, array: np.ndarray, matrix_type: gguf.GGMLQuantizationType) -> None:
+    """Matrices (2-D, and stacked experts) in `matrix_type`, vectors in float32, as the converter stores them."""
+    if array.ndim >= 2 and matrix_type != gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
+    else:
+        writer.add_tensor(name, np.ascontiguousarray(array))
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+MOE_ARCHES = {"qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+              "glm4_moe": gguf.MODEL_ARCH.GLM4_MOE, "mixtral": gguf.MODEL_ARCH.LLAMA}
+_EXPERT = re.compile(r"(model\.layers\.\d+\..*experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def write_moe(config, folder: Path, path: Path, matrix_type: gguf.GGMLQuantizationType) -> None:
+    """Write the MoE model saved in `folder` (its safetensors and tokenizer; `config` its transformers config)
+    as llama.cpp's converter would: each layer's experts stacked [experts, rows, cols] under their merged
+    name, every name through the gguf package's tensor map, the MoE metadata of the architecture; for
+    GLM also a multi-token-prediction layer past the last, which a reader must leave alone."""
+    kind = config.model_type
+    arch = MOE_ARCHES[kind]
+    mtp = kind == "glm4_moe"
+    blocks = config.num_hidden_layers + mtp
+    names = gguf.get_tensor_name_map(arch, blocks)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _header(writer, config, folder, blocks)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None) or config.num_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if kind != "mixtral":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if kind == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if kind == "glm4_moe":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
+        writer.add_expert_shared_count(config.n_shared_experts)
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+        writer.add_nextn_predict_layers(1)
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            array = f.get_tensor(name).to(torch.float32).numpy()
+            if (match := _EXPERT.match(name)) is not None:
+                stacks.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = array
+                continue
+            if kind == "mixtral" and (".q_proj." in name or ".k_proj." in name):
+                array = llama_cpp_permute(array, config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads)
+            if name.endswith("e_score_correction_bias"):  # the converter's rename before the map
+                name = name.removesuffix("_bias") + ".bias"
+            base, suffix = name.rsplit(".", 1)
+            if base.endswith("shared_expert_gate"):
+                array = array.reshape(-1)  # stored as a vector
+            router = base.endswith(".gate") and array.shape[0] == experts  # the converter keeps routers in float32
+            _add(writer, f"{names.get_name(base)}.{suffix}", array, gguf.GGMLQuantizationType.F32 if router else matrix_type)
+    for (stem, proj), each in stacks.items():
+        _add(writer, f"{names.get_name(f'{stem}.{proj}')}.weight", np.stack([each[e] for e in range(len(each))]), matrix_type)
+    if mtp:  # llama.cpp's converter writes GLM's MTP layer as one more block
+        hidden = config.hidden_size
+        writer.add_tensor(f"blk.{config.num_hidden_layers}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{config.num_hidden_layers}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), np.float32))
+    _finish(writer)
 
 
 K_LAYOUT = {  # bytes a 256-value block, and where its f16 scales lie with their size relative to `scale`

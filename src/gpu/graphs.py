@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from ..core.passes import Piece
-from ..core.sampling import greedy_draw
 from .transfer import PinnedRing
 from ..progress import Progress
 
@@ -29,6 +28,15 @@ PROMPT_ROWS = 2560  # 16 prompts of 128 tokens beside 64 decode rows, and some r
 # Prompt rows read their context one row at a time (no reuse across a prompt's rows, as a prefill
 # kernel has): past this many context tokens read in a pass, the general forward's attention is cheaper.
 PROMPT_ATTENTION = 1 << 19
+
+
+def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V] any float dtype -> [2, R] float64: each row's argmax and its logprob, computed with
+    the same ops as `lanes.backend.draws.sample` (so bit for bit the same), packed for one read-back (ids are exact in float64)."""
+    raw = logits.float()  # [R, V] float32
+    tokens = raw.argmax(dim=-1)  # [R] int64
+    chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [R] float32
+    return torch.stack([tokens.double(), chosen.double()])
 
 
 class DecodeGraphs:
@@ -151,7 +159,13 @@ class DecodeGraphs:
                 cached[row] = blocks
 
     def capture(self, quiet: bool = False) -> None:
-        """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line."""
+        """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line. A
+        decoder with a part a graph cannot hold (`graph_safe`: MoE's grouped experts) stays uncaptured."""
+        if not self.decoder.graph_safe:
+            if not quiet:
+                print("lanes: decode graphs not captured: the MoE layers' grouped experts read their row counts on "
+                      "the host; the fast step runs uncaptured", file=sys.stderr)
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.decoder.device)
         stream.wait_stream(torch.cuda.current_stream())

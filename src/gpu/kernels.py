@@ -264,10 +264,11 @@ def fed_embedding(tokens: torch.Tensor, feed: torch.Tensor, drawn: torch.Tensor,
 @triton.jit
 def _rope_write_kernel(qkv_ptr, positions_ptr, slots_ptr, inv_freq_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                        attention_scale, qkv_stride, q_out_stride_t, q_out_stride_h, kv_stride_s, kv_stride_h,
-                       HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+                       HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                       PASS: tl.constexpr, PASS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a key head (with its value head)
-    half = tl.arange(0, HALF)
+    half = tl.arange(0, HALF)  # the rotated pairs: dimensions i and HALF + i of the first 2 * HALF
     position = tl.load(positions_ptr + token).to(tl.float32)
     freqs = position * tl.load(inv_freq_ptr + half)
     cos = (tl.cos(freqs) * attention_scale).to(q_out_ptr.dtype.element_ty).to(tl.float32)
@@ -279,36 +280,50 @@ def _rope_write_kernel(qkv_ptr, positions_ptr, slots_ptr, inv_freq_ptr, q_out_pt
     # The eager path rounds each product and the sum to the model dtype.
     lo = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
     hi = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    rest = 2 * HALF + tl.arange(0, PASS_PAD)  # partial rotary: the dimensions past the rotated ones, as they are
+    rest_ok = rest < HEAD_DIM
     if head < HQ:
         out = q_out_ptr + token * q_out_stride_t + head * q_out_stride_h
         tl.store(out + half, lo)
         tl.store(out + HALF + half, hi)
+        if PASS > 0:
+            tl.store(out + rest, tl.load(base + rest, mask=rest_ok), mask=rest_ok)
     else:
         kv_head = head - HQ
         slot = tl.load(slots_ptr + token).to(tl.int64)
         k_out = k_cache_ptr + slot * kv_stride_s + kv_head * kv_stride_h
         tl.store(k_out + half, lo.to(k_cache_ptr.dtype.element_ty))
         tl.store(k_out + HALF + half, hi.to(k_cache_ptr.dtype.element_ty))
+        if PASS > 0:
+            tl.store(k_out + rest, tl.load(base + rest, mask=rest_ok).to(k_cache_ptr.dtype.element_ty), mask=rest_ok)
         v_in = qkv_ptr + token * qkv_stride + (HQ + HKV + kv_head) * HEAD_DIM
         v_out = v_cache_ptr + slot * kv_stride_s + kv_head * kv_stride_h
-        tl.store(v_out + half, tl.load(v_in + half))
-        tl.store(v_out + HALF + half, tl.load(v_in + HALF + half))
+        if PASS > 0:
+            dims = tl.arange(0, HEAD_PAD)
+            tl.store(v_out + dims, tl.load(v_in + dims, mask=dims < HEAD_DIM), mask=dims < HEAD_DIM)
+        else:
+            tl.store(v_out + half, tl.load(v_in + half))
+            tl.store(v_out + HALF + half, tl.load(v_in + HALF + half))
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, inv_freq: torch.Tensor,
                   attention_scale: float, cache_k: torch.Tensor, cache_v: torch.Tensor, hq: int, hkv: int,
-                  head_dim: int, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                  head_dim: int, q_out: torch.Tensor | None = None, rotary_dim: int | None = None) -> torch.Tensor:
     """Rotate q and k by their positions; store k and v in the cache at `slots`; return the rotated q.
 
     qkv: [T, (hq + 2 hkv) * D] with q/k already normed where the family norms them; positions, slots: [T];
-    inv_freq: [D / 2] float32 -> q: [T, hq, D].
+    inv_freq: [R / 2] float32 -> q: [T, hq, D]. `rotary_dim` R (default D): only each head's first R
+    dimensions rotate, the rest pass through (partial rotary).
     """
     tokens = qkv.shape[0]
+    rotary = head_dim if rotary_dim is None else rotary_dim
+    passed = head_dim - rotary
     q_out = torch.empty(tokens, hq, head_dim, device=qkv.device, dtype=qkv.dtype) if q_out is None else q_out
     _rope_write_kernel[(tokens, hq + hkv)](
         qkv, positions, slots, inv_freq, q_out, cache_k, cache_v, attention_scale,
         qkv.stride(0), q_out.stride(0), q_out.stride(1), cache_k.stride(0), cache_k.stride(1),
-        HQ=hq, HKV=hkv, HEAD_DIM=head_dim, HALF=head_dim // 2,
+        HQ=hq, HKV=hkv, HEAD_DIM=head_dim, HALF=rotary // 2, PASS=passed,
+        PASS_PAD=triton.next_power_of_2(max(passed, 1)), HEAD_PAD=triton.next_power_of_2(head_dim),
     )
     return q_out
 

@@ -12,7 +12,9 @@ from typing import AsyncIterator, Awaitable, Callable
 from . import decisions as decision_routes
 from . import errors, parse
 from .exchange import Exchange
-from .openai_api import chat_completions, completions
+from .chat import chat_completions
+from .openai_api import completions
+from .responses import responses
 from .protocol import HttpRequest, HttpResponse
 from .service import Service
 from .tokenizing import detokenize_body, tokenize_body, tokenizer_info
@@ -54,6 +56,7 @@ class LanesApp:
         self.routes: dict[str, dict[str, tuple[str, Handler]]] = {
             "/v1/chat/completions": {"POST": ("chat", self.chat)},
             "/v1/completions": {"POST": ("completions", self.complete)},
+            "/v1/responses": {"POST": ("responses", self.respond)},
             "/v1/models": {"GET": ("models", self.models)},
             "/v1/info": {"GET": ("info", self.info)},
             "/health": {"GET": ("health", self.health)},
@@ -140,6 +143,9 @@ class LanesApp:
 
     async def complete(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
         return await self._counted(request, lambda body: completions(self.service, body, exchange))
+
+    async def respond(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
+        return await self._counted(request, lambda body: responses(self.service, body, exchange))
 
     async def tokenize(self, request: HttpRequest, exchange: Exchange) -> HttpResponse:
         return await self._counted(request, lambda body: tokenize_body(self.service, body))

@@ -109,6 +109,37 @@ def reserved_template_variable(param: str, name: str) -> ApiError:
                     code="invalid_value")
 
 
+def schema_keyword(param: str, keyword: str, detail: str) -> ApiError:
+    """A JSON schema with a keyword the grammar engine cannot enforce (it would be ignored, not honoured)."""
+    return ApiError(400, f"'{param}' uses the JSON schema keyword '{keyword}', which this server cannot enforce "
+                         f"({detail})", param=param, code="unsupported_schema")
+
+
+def invalid_grammar(param: str, detail: str) -> ApiError:
+    return ApiError(400, f"'{param}' is not a grammar this server can enforce: {detail}", param=param,
+                    code="invalid_grammar")
+
+
+def conflicting_constraints(param: str, other: str) -> ApiError:
+    return ApiError(400, f"'{param}' cannot be given with '{other}': a request holds its answer to one of them",
+                    param=param, code="invalid_value")
+
+
+def tool_choice_without_tools(param: str = "tool_choice") -> ApiError:
+    return ApiError(400, f"'{param}' asks for a tool call but the request gives no tools", param=param,
+                    code="invalid_value")
+
+
+def unknown_tool(param: str, name: str) -> ApiError:
+    return ApiError(400, f"'{param}' names the function '{name}', which is not among the request's tools", param=param,
+                    code="invalid_value")
+
+
+def unknown_response(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response has the id '{response_id}' (responses are kept in memory, the newest "
+                         "only)", param="previous_response_id", code="response_not_found")
+
+
 def unknown_model(name: str, served: str) -> ApiError:
     return ApiError(404, f"the model '{name}' does not exist; this server serves '{served}'", param="model",
                     code="model_not_found")

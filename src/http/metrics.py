@@ -15,8 +15,8 @@ class Metrics:
     lane core's statistics read at scrape time; every series carries the served model's `model_name`."""
 
     def __init__(self, model_name: str, core_stats: Callable[[], object],
-                 cache_stats: Callable[[], object | None] = lambda: None,
-                 ranks: Callable[[], tuple[int, object | None]] = lambda: (1, None)) -> None:
+                 ranks: Callable[[], tuple[int, object | None]] = lambda: (1, None),
+                 pass_times: Callable[[], object] | None = None) -> None:
         self.registry = CollectorRegistry()
         named = {"registry": self.registry, "labelnames": ["model_name"]}
         requests = Counter("lanes_requests", "Requests answered, by endpoint and status.",
@@ -30,7 +30,7 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, **named).labels(model_name)
         self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
                                   **named).labels(model_name)
-        self.registry.register(_CoreCollector(model_name, core_stats, cache_stats, ranks))
+        self.registry.register(_CoreCollector(model_name, core_stats, ranks, pass_times))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -53,10 +53,10 @@ def _family(kind, name: str, doc: str, model_name: str, value: float):
 
 
 class _CoreCollector:
-    def __init__(self, model_name, core_stats, cache_stats, ranks) -> None:
+    def __init__(self, model_name, core_stats, ranks, pass_times) -> None:
         self.model_name = model_name
         self.core_stats = core_stats
-        self.cache_stats = cache_stats
+        self.pass_times = pass_times
         self.ranks = ranks
 
     def collect(self):
@@ -81,6 +81,12 @@ class _CoreCollector:
         }
         for name, (doc, value) in counters.items():
             yield _family(CounterMetricFamily, name, doc, name_, value)
+        if self.pass_times is not None:
+            times = self.pass_times()
+            yield _family(CounterMetricFamily, "lanes_backend_pass_seconds", "Wall time of the backend's passes.", name_,
+                          times.seconds_total)
+            yield _family(GaugeMetricFamily, "lanes_backend_pass_seconds_max", "The longest pass so far.", name_,
+                          times.seconds_max)
         world, followers = self.ranks()
         yield _family(GaugeMetricFamily, "lanes_world_size", "Tensor-parallel ranks.", name_, world)
         if followers is not None:
@@ -88,7 +94,16 @@ class _CoreCollector:
                           float(followers.state == "up"))
             yield _family(CounterMetricFamily, "lanes_follower_plans", "Plans broadcast to the followers.", name_,
                           followers.plans)
-        cache = self.cache_stats()
+        drafts = stats.drafts
+        if drafts is not None:
+            yield _family(CounterMetricFamily, "lanes_draft_tokens", "Draft tokens proposed in passes.", name_, drafts.drafted)
+            yield _family(CounterMetricFamily, "lanes_draft_accepted_tokens", "Draft tokens accepted.", name_,
+                          drafts.accepted)
+            yield _family(CounterMetricFamily, "lanes_drafted_pieces", "Lanes' drafts verified (one a lane a pass).",
+                          name_, drafts.pieces)
+            yield _family(GaugeMetricFamily, "lanes_draft_mean_accepted_length", "Draft tokens accepted a drafted piece.",
+                          name_, drafts.mean_accepted)
+        cache = stats.cache
         if cache is not None:
             for name, doc, value in (
                 ("lanes_prompt_cache_hits", "Lookups that found a cached prefix.", cache.hits),

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions and /v1/completions: parse, submit the n streams, answer in OpenAI's shapes,
-as one JSON object or as server-sent events ending with `data: [DONE]`.
+"""POST /v1/completions, and what chat shares with it: submit the n streams, media, usage, and the
+server-sent events that end with `data: [DONE]`; answers in OpenAI's shapes.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import trio
 
 from ..core.sampling import InvalidParameter
 from ..core.stream import EngineError, Finished, Failed, PromptLogprobs, TokenEvent
-from ..text.chat import ChatTemplateError
-from . import errors, parse
+from . import errors, parse, structured
 from .exchange import Exchange
 from .generation import Choice, close_all, collect, events, open_streams
 from .service import Service
@@ -43,16 +42,6 @@ def token_text(service: Service, token: int) -> str:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-# ---- chat ----
-
-def chat_logprob(service: Service, event: TokenEvent) -> dict:
-    def entry(token: int, logprob: float) -> dict:
-        text = token_text(service, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {**entry(event.token, event.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in event.top]}
 
 
 async def with_media(service: Service, prompt: Sequence[int], parts, deadline: float, param: str, *,
@@ -86,66 +75,28 @@ def check_room(rows: int, room_for: int, room: int, param: str) -> None:
         raise errors.context_exceeded(rows + room_for, room, param)
 
 
-async def chat_completions(service: Service, body: dict, exchange: Exchange):
-    parts = []
-    messages, common, template = parse.chat(body, service.vision, parts)
-    model = check_model(service, body)
-    tokenizer = service.tokenizer
-    if tokenizer.chat_template is None:
-        raise errors.no_chat_template()
-    tools = body.get("tools")
-    if tools and service.tool_system is not None:
-        messages = service.tool_system.put_in_front(messages, tools, tokenizer)
-        tools = tools if service.tool_system.template_takes_tools else None
+async def stream_body(streams, common, head: dict, deadline: float, exchange: Exchange, opening: list[dict],
+                      token, finish) -> AsyncIterator[str]:
+    """The server-sent events chat and completions share: the opening choices, a chunk for each token that
+    `token` makes (none, one or a list) and at each choice's end, the usage when asked, `[DONE]`; an engine error on the
+    way becomes its error event and the stream's status in the log."""
     try:
-        prompt = tokenizer.encode_chat(messages, tools=tools, **template)
-    except ChatTemplateError as error:
-        raise errors.chat_template(str(error)) from None
-    deadline = exchange.deadline = trio.current_time() + service.request_timeout
-    prompt, media = await with_media(service, prompt, parts, deadline, "messages", room_for=common.sampling.max_tokens or 0)
-    exchange.prompt_tokens = len(prompt)
-    streams = await submit(service, prompt, common, deadline, "messages", media)
-    head = {"id": f"chatcmpl-{exchange.id}", "created": int(time.time()), "model": model}
-    if common.stream:
-        return chat_sse(service, streams, common, head, deadline, exchange)
-    choices = await collect(streams, deadline, exchange.timing)
-    exchange.completion_tokens = sum(len(c.tokens) for c in choices)
-    return {
-        **head, "object": "chat.completion",
-        "choices": [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": {"content": [chat_logprob(service, e) for e in c.logprobs]} if common.sampling.logprobs else None,
-            "finish_reason": c.finish_reason,
-        } for c in choices],
-        "usage": usage(len(prompt), exchange.completion_tokens, choices[0].cached_tokens),
-        "system_fingerprint": None,
-    }
-
-
-async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncIterator[str]:
-    chunk = {**head, "object": "chat.completion.chunk"}
-    try:
-        for index in range(len(streams)):
-            yield sse({**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                              "logprobs": None, "finish_reason": None}]})
+        for choice in opening:
+            yield sse({**head, "choices": [choice]})
         async for index, event in events(streams, deadline, exchange.timing):
             if isinstance(event, TokenEvent):
                 exchange.completion_tokens += 1
-                logprobs = {"content": [chat_logprob(service, event)]} if common.sampling.logprobs else None
-                if event.text or logprobs:
-                    yield sse({**chunk, "choices": [{"index": index, "delta": {"content": event.text},
-                                                      "logprobs": logprobs, "finish_reason": None}]})
+                for choice in chunks(token(index, event)):
+                    yield sse({**head, "choices": [choice]})
             elif isinstance(event, Finished):
                 exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
-                delta = {"content": event.text} if event.text else {}
-                reason = "length" if event.reason == "length" else "stop"
-                yield sse({**chunk, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+                for choice in chunks(finish(index, event)):
+                    yield sse({**head, "choices": [choice]})
             elif isinstance(event, Failed):
                 raise errors.from_engine(event.error)
         if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
-                                                              exchange.cached_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
+                                                             exchange.cached_tokens)})
         yield "data: [DONE]\n\n"
     except errors.ApiError as error:
         exchange.status = error.status  # the stream's status as the log line reports it
@@ -153,6 +104,17 @@ async def chat_sse(service, streams, common, head, deadline, exchange) -> AsyncI
         yield "data: [DONE]\n\n"
     finally:
         await close_all(streams)
+
+
+def chunks(choices: dict | list[dict] | None) -> list[dict]:
+    """What `token` or `finish` made: no chunk, one, or several (a tool call's deltas)."""
+    if choices is None:
+        return []
+    return [choices] if isinstance(choices, dict) else choices
+
+
+def finish_reason(event: Finished) -> str:
+    return "length" if event.reason == "length" else "stop"
 
 
 def sse(payload: dict) -> str:
@@ -213,6 +175,7 @@ async def completions(service: Service, body: dict, exchange: Exchange):
         ids[0], media = await with_media(service, with_placeholders(service, ids[0], len(parts)), parts, deadline, "prompt",
                                          room_for=common.sampling.max_tokens or 0)
     exchange.prompt_tokens = sum(len(p) for p in ids)
+    common = await structured.constrained(service, common, structured.wanted_of(body), deadline)
     opened = []
     try:
         for prompt in ids:
@@ -241,38 +204,25 @@ async def completions(service: Service, body: dict, exchange: Exchange):
             "usage": usage(exchange.prompt_tokens, exchange.completion_tokens, cached)}
 
 
-async def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
-    chunk = {**head, "object": "text_completion"}
+def completion_sse(service, streams, common, head, deadline, exchange, echoes, starts) -> AsyncIterator[str]:
     offsets = list(starts)  # where each choice's next token starts
-    try:
-        for index, text in enumerate(echoes):
-            if text:
-                yield sse({**chunk, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}]})
-        async for index, event in events(streams, deadline, exchange.timing):
-            if isinstance(event, TokenEvent):
-                exchange.completion_tokens += 1
-                logprobs = None
-                if common.sampling.logprobs:
-                    text = token_text(service, event.token)
-                    logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
-                                "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
-                                "text_offset": [offsets[index]]}
-                    offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
-                if event.text or logprobs:
-                    yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}]})
-            elif isinstance(event, Finished):
-                exchange.cached_tokens = max(exchange.cached_tokens, event.cached_tokens)
-                reason = "length" if event.reason == "length" else "stop"
-                yield sse({**chunk, "choices": [{"index": index, "text": event.text, "logprobs": None, "finish_reason": reason}]})
-            elif isinstance(event, Failed):
-                raise errors.from_engine(event.error)
-        if common.include_usage:
-            yield sse({**chunk, "choices": [], "usage": usage(exchange.prompt_tokens, exchange.completion_tokens,
-                                                              exchange.cached_tokens)})
-        yield "data: [DONE]\n\n"
-    except errors.ApiError as error:
-        exchange.status = error.status  # the stream's status as the log line reports it
-        yield sse(error.body())
-        yield "data: [DONE]\n\n"
-    finally:
-        await close_all(streams)
+    opening = [{"index": index, "text": text, "logprobs": None, "finish_reason": None}
+               for index, text in enumerate(echoes) if text]
+
+    def token(index: int, event: TokenEvent) -> dict | None:
+        logprobs = None
+        if common.sampling.logprobs:
+            text = token_text(service, event.token)
+            logprobs = {"tokens": [text], "token_logprobs": [event.logprob],
+                        "top_logprobs": [{token_text(service, t.token): t.logprob for t in event.top}],
+                        "text_offset": [offsets[index]]}
+            offsets[index] += len(text)  # as completion_logprobs counts: each token's own text
+        if not (event.text or logprobs):
+            return None
+        return {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+
+    def finish(index: int, event: Finished) -> dict:
+        return {"index": index, "text": event.text, "logprobs": None, "finish_reason": finish_reason(event)}
+
+    return stream_body(streams, common, {**head, "object": "text_completion"}, deadline, exchange, opening, token,
+                       finish)

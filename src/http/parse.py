@@ -20,7 +20,8 @@ from .parse_messages import messages, tools  # noqa: F401  (`messages` is also r
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "stop", "n", "stream", "stream_options", "ignore_eos", "user", "metadata",
                    "store", "model", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                   "skip_special_tokens"}
+                   "skip_special_tokens", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                   "guided_grammar", "response_format"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                  "tool_choice", "parallel_tool_calls", "response_format", "chat_template_kwargs",
                                  "add_generation_prompt", "continue_final_message"}
@@ -175,12 +176,6 @@ def chat(body: dict, vision: bool, media: list[MediaPart] | None = None) -> tupl
     """The messages, what chat shares with completions, and the template's options (`template_options`)."""
     check_fields(body, CHAT_FIELDS)
     msgs = messages(body, vision, media)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise errors.unsupported("response_format")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise errors.unsupported("tool_choice")
     tools(body)
     template = template_options(body)
     max_tokens = integer(body, "max_completion_tokens", None)

@@ -5,12 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..core.lane_core import LaneCore
+from ..core.metered import PassTimes
+from ..grammar.engine import GrammarEngine
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
 from .protocol import ServerLimits
+from ..tools.formats import ToolFormat, choose
+from ..tools.prompting import TemplateTools
+from .response_store import ResponseStore
 from .tool_system import ToolSystem
 
 if TYPE_CHECKING:
@@ -62,6 +67,10 @@ class Service:
     followers: object = None  # rank 0's Followers when there are ranks above 0
     decision_timeout: float = 30.0
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
+    pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
+    draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
+    grammars: GrammarEngine | None = None  # constrained decoding (response_format, tool choices); None refuses it
+    max_responses: int = 1024  # /v1/responses kept in memory for previous_response_id, the newest
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
 
@@ -69,11 +78,14 @@ class Service:
         self.vocab_size = self.vocab_size or self.tokenizer.vocab_size
         self.open_requests = OpenRequests(self.max_open)
         self.created = int(time.time())  # when this server started serving its model (/v1/models)
+        template = self.tokenizer.chat_template
+        self.tool_format: ToolFormat = choose(template.source if template is not None else None)
+        self.template_tools = TemplateTools.probe(template)  # what the template renders of tools itself
+        self.responses = ResponseStore(self.max_responses)
         if self.metrics is None:
-            cache = self.core.cache
             self.metrics = Metrics(self.model_name, self.core.statistics,
-                                   cache.statistics if cache is not None else (lambda: None),
-                                   lambda: (self.tp, self.followers.statistics() if self.followers else None))
+                                   lambda: (self.tp, self.followers.statistics() if self.followers else None),
+                                   self.pass_times)
 
     @property
     def limits(self) -> ServerLimits:
@@ -88,8 +100,7 @@ class Service:
 
     def context_room(self) -> int:
         """The most tokens a stream may span: the model's length, or the whole KV pool if that is less."""
-        pool = self.core.pool
-        return min(self.core.max_model_len, pool.total * pool.block_size)
+        return self.core.context_room
 
     def info(self) -> dict:
         stats = self.core.statistics()
@@ -115,7 +126,8 @@ class Service:
                 "send_timeout": self.send_timeout,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
-            "prompt_cache": self._cache_info(),
+            "prompt_cache": self._cache_info(stats.cache),
+            "drafts": self._drafts_info(stats.drafts),
             "tool_system": self.tool_system is not None,
             "followers": self._followers_info(),
         }
@@ -133,9 +145,15 @@ class Service:
         f = self.followers.statistics()
         return {"world": f.world, "state": f.state, "plans": f.plans, "heartbeats": f.heartbeats}
 
-    def _cache_info(self) -> dict | None:
-        if self.core.cache is None:
+    def _drafts_info(self, d) -> dict | None:
+        if d is None:
             return None
-        c = self.core.cache.statistics()
+        return {"method": self.draft_method, "drafted": d.drafted, "accepted": d.accepted, "pieces": d.pieces,
+                "mean_accepted_length": d.mean_accepted}
+
+    @staticmethod
+    def _cache_info(c) -> dict | None:
+        if c is None:
+            return None
         return {"held_bytes": c.held_bytes, "budget_bytes": c.budget_bytes, "entries": c.entries, "hits": c.hits,
                 "misses": c.misses}

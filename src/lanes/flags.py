@@ -31,6 +31,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-media-parts", type=int, default=16, help="images and videos one request may carry (then 400)")
     parser.add_argument("--media-decode-bytes", type=int, default=4 << 30,
                         help="memory the server's image and video decoding may hold at once; a part costing more gets 400")
+    parser.add_argument("--draft", choices=["ngram", "suffix", "model"], default=None,
+                        help="speculative drafts: n-grams of a stream's own context, a suffix index of it and of recent "
+                             "outputs, or a draft model (--draft-model)")
+    parser.add_argument("--draft-model", default=None, help="a small model with the same tokenizer that drafts")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="most draft tokens a lane a pass")
+    parser.add_argument("--draft-lengths", choices=["load", "fixed"], default="load",
+                        help="load: each lane's draft as long as it pays, by its acceptance and the passes' cost; "
+                             "fixed: every lane drafts --draft-tokens each pass (to measure acceptance)")
     parser.add_argument("--decider", action="store_true", help="serve /v1/decisions and /v1/systemone")
     parser.add_argument("--decision-timeout", type=float, default=30.0, help="seconds a decision may take, queue included")
     parser.add_argument("--max-decisions", type=int, default=64, help="decisions that may wait (then 429)")

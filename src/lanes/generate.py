@@ -7,7 +7,7 @@ from typing import AsyncIterator, Sequence
 import torch
 
 from .core.passes import Piece
-from .gpu.blocks import BlockPool, BlockTable
+from .core.blocks import BlockPool, BlockTable
 from .gpu.device import CpuRunner, CudaRunner
 from .loader import LoadedModel
 

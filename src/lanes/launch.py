@@ -15,9 +15,9 @@ from typing import Iterator
 
 from .families.weights import Shard
 from .followers import follow
-from .core.torch_backend import fast_decode, forward
+from .backend.torch_backend import fast_decode, forward
 from .heap import freeze_startup_heap
-from .gpu.blocks import BLOCK_SIZE, blocks_for
+from .core.blocks import BLOCK_SIZE, blocks_for
 from .gpu.device import choose, cuda_device_count
 from .gpu.ranks import PASS_SECONDS, RankError, RankSpec, join, leave, startup_barrier
 from .loader import load_model

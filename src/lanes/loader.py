@@ -13,15 +13,18 @@ import torch
 
 from .checkpoint.errors import CheckpointError
 from .checkpoint.gguf_file import GGUFFile
-from .checkpoint.gguf_source import GGUFSource, hf_config
+from .checkpoint.gguf_config import hf_config
+from .checkpoint.gguf_source import GGUFSource
 from .checkpoint.safetensors_source import SafetensorsSource
 from .checkpoint.source import TensorSource
 from .families.config import ConfigFault, ModelConfig
 from .families.decoder import Decoder
+from .families.layers import load_decoder, tensor_count
+from .families.names import gguf_layer_names
 from .families.registry import Family, family_for
-from .families.weights import Shard, load_decoder, tensor_count
+from .families.weights import Shard
 from .progress import Progress
-from .gpu.blocks import BLOCK_SIZE
+from .core.blocks import BLOCK_SIZE
 from .gpu.collective import Collective, Solo
 from .gpu.device import Placement
 from .gpu.kv import KVCache, KVShape
@@ -77,7 +80,7 @@ def open_checkpoint(path: Path | str) -> Checkpoint:
         file = GGUFFile(path)
         raw = hf_config(file)
         family, config = _family(raw, path)
-        return Checkpoint(path, raw, config, family, GGUFSource(file, raw), gguf=file)
+        return Checkpoint(path, raw, config, family, GGUFSource(file, raw, gguf_layer_names(family.experts)), gguf=file)
     raise CheckpointError(path, "no such file or folder")
 
 
@@ -137,9 +140,10 @@ def load_model(
     except ValueError as error:
         raise CheckpointError(checkpoint.path, str(error)) from None
     stream = io.StringIO() if quiet else sys.stderr
+    comm = comm or Solo()
     with Progress(f"loading {checkpoint.path.name}", tensor_count(config), stream=stream, unit="tensors") as progress:
-        weights = load_decoder(config, checkpoint.source, checkpoint.path, shard=shard,
-                               device=placement.device, dtype=placement.dtype, progress=progress)
+        weights = load_decoder(config, checkpoint.source, checkpoint.path, shard=shard, device=placement.device,
+                               dtype=placement.dtype, experts=checkpoint.family.experts, comm=comm, progress=progress)
     kv_shape = KVShape(config.layers, shard.kv_heads(config), config.head_dim, BLOCK_SIZE)
     if kv_blocks is None:
         budget = kv_bytes if kv_bytes is not None else default_kv_bytes(placement)
@@ -147,7 +151,7 @@ def load_model(
         if kv_max_blocks is not None:
             kv_blocks = min(kv_blocks, kv_max_blocks)
     kv = KVCache(kv_shape, kv_blocks, device=placement.device, dtype=placement.dtype)
-    decoder = Decoder(config, weights, kv, comm or Solo(), shard)
+    decoder = Decoder(config, weights, kv, comm, shard)
     model = LoadedModel(checkpoint, config, tokenizer, decoder, placement, shard)
     if config.family in VISION_FAMILIES:
         from .families.qwen2_vl import vision_tokens

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import trio
 
 from .core.commands import WarmCancelled
-from .core.lane_core import IntegrityError, LaneCore
+from .core.blocks import IntegrityError
+from .core.lane_core import LaneCore
 from .core.stream import BackendFailed, EngineError
-from .gpu.blocks import IntegrityError as PoolIntegrityError
 from .gpu.ranks import PeerLost
 from .http.app import LanesApp
 from .http.server import HttpServer
@@ -63,7 +63,7 @@ class Runtime:
             host, port = bound[0]
             self.listening = Listening(host, port)
             log.info("serving %s on %s", self.service.model_name, self.listening.url)
-            if self.service.tool_system is not None and core.cache is not None:
+            if self.service.tool_system is not None and core.statistics().cache is not None:
                 nursery.start_soon(self._warm_tool_system)
             task_status.started(self.listening)
             await self._stop.wait()
@@ -100,7 +100,7 @@ class Runtime:
         tokens = service.tool_system.warm_tokens(service.tokenizer)
         while True:
             try:
-                result = await service.core.warm(tokens, into_cache=True)
+                result = await service.core.warm(tokens)
             except WarmCancelled:
                 continue
             except EngineError:
@@ -112,10 +112,8 @@ class Runtime:
 def check_books(core: LaneCore) -> None:
     """After a clean stop: raises (and logs) unless the lane core's books balance and every block is free."""
     try:
-        core.check_integrity()
-        if core.pool.free != core.pool.total:
-            raise IntegrityError(f"blocks still held after the stop: {core.pool.statistics()}")
-    except (IntegrityError, PoolIntegrityError) as error:
+        core.check_stopped()
+    except IntegrityError as error:
         log.error("the lane core's books do not balance at the stop: %s", error)
         raise
 

@@ -10,11 +10,13 @@ import trio
 
 from .core.lane_core import LaneCore
 from .families.weights import Shard
+from .core.metered import MeteredBackend
 from .followers import Followers, FollowersBackend
 from .gpu.ranks import RankSpec, join, leave, startup_barrier
 from .launch import device_of, follower_main, kv_blocks, launched_followers, model_length, rank_spec
-from .core.torch_backend import TorchBackend, text_factory
-from .gpu.blocks import blocks_for
+from .backend.torch_backend import TorchBackend, text_factory
+from .grammar.engine import GrammarEngine
+from .core.blocks import blocks_for
 from .gpu.device import choose, runner_for
 from .heap import freeze_startup_heap
 from .http.service import Service
@@ -46,6 +48,12 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
         raise NotAvailable("--max-media-parts must be at least 1")
     if args.media_decode_bytes < MIN_DECODE_BYTES:
         raise NotAvailable(f"--media-decode-bytes must be at least {MIN_DECODE_BYTES} (reading a video's headers may take 140 MiB)")
+    if args.draft_model is not None and args.draft not in (None, "model"):
+        raise NotAvailable(f"--draft-model drafts with a model; it does not go with --draft {args.draft}")
+    if args.draft == "model" and args.draft_model is None:
+        raise NotAvailable("--draft model needs --draft-model PATH")
+    if not 1 <= args.draft_tokens <= 16:
+        raise NotAvailable("--draft-tokens must be between 1 and 16")
     if args.vision and args.tp > 1:
         # Followers would need every image's embeddings broadcast with the plans; not built.
         raise NotAvailable("--vision with --tp above 1 is not available in this version of lanes")
@@ -66,15 +74,20 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
         followers = Followers(control, spec.world)
     max_model_len = model_length(args, model)
     # Several ranks run the fast decode step uncaptured: graphs would hold NCCL's per-call bookkeeping still.
+    stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
+    grammars.warm()  # the grammar engine's tokenizer (~0.5 s for 49k tokens), before the first constrained request
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
-                           graphs=not args.no_graphs, capture=spec is None)
+                           graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher)
     if followers is not None:
         backend = FollowersBackend(backend, followers)
-    stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
+    backend = MeteredBackend(backend)  # pass times for /metrics
     shape = backend.shape
     cache_bytes = shape.blocks * shape.bytes_per_block // 2 if args.prompt_cache_bytes < 0 else args.prompt_cache_bytes
+    drafts, method = draft_source(args, model, placement)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue,
-                    cache_bytes=cache_bytes, max_decisions=args.max_decisions)
+                    cache_bytes=cache_bytes, max_decisions=args.max_decisions, drafts=drafts,
+                    draft_tokens=args.draft_tokens, draft_control=args.draft_lengths == "load")
     tool_system = None
     if args.tool_system is not None:
         from .http.tool_system import ToolSystem
@@ -91,7 +104,30 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
                    body_timeout=args.body_timeout, send_timeout=args.send_timeout, idle_timeout=args.keep_alive_timeout,
                    send_buffer=args.send_buffer, tp=spec.world if spec else 1, followers=followers,
-                   vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None)
+                   vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
+                   pass_times=backend.statistics, draft_method=method,
+                   grammars=grammars)
+
+
+def draft_source(args: argparse.Namespace, model, placement):
+    """The drafts `--draft` and `--draft-model` ask for, and the method's name for /v1/info (or None, None)."""
+    if args.draft_model is not None:
+        from .drafts.model import DraftModel
+
+        draft = load_model(resolve_model(args.draft_model), placement,
+                           kv_max_blocks=args.lanes * blocks_for(args.max_model_len))
+        if not draft.tokenizer.same_as(model.tokenizer) or draft.config.vocab_size != model.config.vocab_size:
+            raise NotAvailable(f"--draft-model {args.draft_model}: its tokenizer is not the served model's")
+        return DraftModel(draft), "model"
+    if args.draft == "ngram":
+        from .drafts.ngram import NgramDrafter
+
+        return NgramDrafter(), "ngram"
+    if args.draft == "suffix":
+        from .drafts.suffix import SuffixDrafter
+
+        return SuffixDrafter(), "suffix"
+    return None, None
 
 
 def vision_inputs(model, args: argparse.Namespace):

@@ -1,10 +1,14 @@
-"""The lane core's books: the statistics it reports and the integrity check that raises on any broken count."""
+"""The lane core's books: the statistics it reports and the integrity check that raises on any broken count.
+Both read the components' public state; neither writes any."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedule import Phase
+from .blocks import BlockPool, IntegrityError
+from .job import Phase
+from .drafting import DraftStats
+from .prompt_cache import CacheStats, PromptCache
 
 
 @dataclass(frozen=True)
@@ -26,47 +30,52 @@ class CoreStats:
     streams_cancelled: int
     blocks_total: int
     blocks_free: int
+    context_room: int  # the most tokens a stream may span (the model's length, or the KV pool's)
+    jobs_held: int  # streams, warm passes and decision prefills the engine holds (queued or in lanes)
+    cache: CacheStats | None = None  # the prompt cache's, when there is one
+    drafts: DraftStats | None = None  # drafting's, when the lane core drafts
 
 
-class IntegrityError(AssertionError):
-    """The lane core's bookkeeping is broken: a bug, never a user error."""
-
-
-def statistics(core) -> CoreStats:
+def statistics(core, lanes, admission, delivery, passes, drafting) -> CoreStats:
     """The lane core's counters and occupancy."""
-    busy = sum(j is not None for j in core.lanes)
-    c = core._counts
+    slots = lanes.slots
+    busy = sum(job is not None for job in slots)
+    pool = core.pool
     return CoreStats(
-        lanes=len(core.lanes), lanes_busy=busy, lanes_free=len(core.lanes) - busy, queued=len(core._queue),
-        max_queue=core.max_queue, max_rows=core.limits.max_rows, passes=c["passes"],
-        prefill_rows=c["prefill_rows"], decode_rows=c["decode_rows"], tokens_out=c["tokens_out"],
-        streams_admitted=c["admitted"], streams_finished=c["finished"], streams_cancelled=c["cancelled"],
-        blocks_total=core.pool.total, blocks_free=core.pool.free,
+        lanes=len(slots), lanes_busy=busy, lanes_free=len(slots) - busy, queued=len(admission.queue),
+        max_queue=admission.max_queue, max_rows=passes.limits.max_rows, passes=passes.passes,
+        prefill_rows=passes.prefill_rows, decode_rows=passes.decode_rows, tokens_out=delivery.tokens_out,
+        streams_admitted=admission.admitted, streams_finished=lanes.finished,
+        streams_cancelled=lanes.ended + core.withdrawn, blocks_total=pool.total, blocks_free=pool.free,
+        context_room=core.context_room, jobs_held=len(admission.jobs),
+        cache=core.cache.statistics() if core.cache is not None else None,
+        drafts=drafting.statistics() if drafting is not None else None,
     )
 
-def check_integrity(core) -> None:
+
+def check_integrity(pool: BlockPool, cache: PromptCache | None, lanes, admission) -> None:
     """Raise IntegrityError unless lanes, queue, jobs, the prompt cache and the block pool agree."""
-    core.pool.check_integrity()
-    if core.cache is not None:
-        core.cache.check_integrity()
+    pool.check_integrity()
+    if cache is not None:
+        cache.check_integrity()
     seen: set[int] = set()
-    for lane, job in enumerate(core.lanes):
+    for lane, job in enumerate(lanes.slots):
         owner = ("lane", lane)
         if job is None:
-            if core.pool.held(owner):
-                raise IntegrityError(f"free lane {lane} holds blocks {core.pool.held(owner)}")
+            if pool.held(owner):
+                raise IntegrityError(f"free lane {lane} holds blocks {pool.held(owner)}")
             continue
         if job.lane != lane or job.table is None or job.table.owner != owner:
             raise IntegrityError(f"lane {lane} holds job {job.id}, which says lane {job.lane}")
-        if core.pool.held(owner) != sorted(job.table.blocks):
+        if pool.held(owner) != sorted(job.table.blocks):
             raise IntegrityError(f"lane {lane}'s table {job.table.blocks} is not what the pool says it holds")
-        if job.done > len(job.table.blocks) * core.pool.block_size:
+        if job.done > len(job.table.blocks) * pool.block_size:
             raise IntegrityError(f"job {job.id} wrote past its blocks")
         seen.add(job.id)
-    for job in core._queue:
+    for job in admission.queue:
         if job.phase is not Phase.QUEUED or job.lane is not None or job.id in seen:
             raise IntegrityError(f"queued job {job.id} is also in a lane or not queued")
         seen.add(job.id)
-    seen.update(job.id for job, _ in core._warm)
-    if seen != set(core._jobs):
-        raise IntegrityError(f"jobs {sorted(set(core._jobs) ^ seen)} are lost or unknown")
+    seen.update(job.id for job, _ in admission.warm)
+    if seen != set(admission.jobs):
+        raise IntegrityError(f"jobs {sorted(set(admission.jobs) ^ seen)} are lost or unknown")

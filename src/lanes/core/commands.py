@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 import trio
 
-from ..gpu.blocks import IntegrityError
+from .blocks import IntegrityError
 from .stream import EngineError, Request
 
 
@@ -20,13 +20,10 @@ class WarmCancelled(EngineError):
 
 @dataclass(frozen=True)
 class WarmResult:
-    """A finished warm pass: the prompt's full blocks, held by `owner` (the receiver releases them), or
-    kept in the prompt cache (`owner` None, `kept` whether the cache took them)."""
+    """A finished warm pass: the prompt's full blocks' tokens, and whether the prompt cache kept them."""
 
     tokens: tuple[int, ...]
-    blocks: tuple[int, ...]
-    owner: Hashable | None
-    kept: bool = False
+    kept: bool
 
 
 class Reply:
@@ -74,16 +71,6 @@ class Cancel:
 @dataclass(frozen=True)
 class Warm:
     prompt: tuple[int, ...]
-    reply: Reply = field(compare=False)
-    into_cache: bool = False  # keep the result in the lane core's prompt cache instead of handing it over
-
-
-@dataclass(frozen=True)
-class Adopt:
-    request: Request
-    blocks: tuple[int, ...]
-    owner: Hashable
-    first_token: int
     reply: Reply = field(compare=False)
 
 

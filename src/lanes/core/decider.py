@@ -8,7 +8,8 @@ passes. Streams waiting for a lane always go first; a decision that cannot get a
 the head of the queue for the next gap; a live stream is never moved.
 
 Like the block pool and the prompt cache, this is synchronous state on the Trio thread, called only by the
-lane core at its mailbox and at pass boundaries.
+lane core at its mailbox and by admission at pass boundaries; it takes lanes and blocks only through its
+`Placement` (admission), never from the lane core itself.
 """
 
 from __future__ import annotations
@@ -16,18 +17,42 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable, Sequence
+from typing import Hashable, Iterator, Protocol, Sequence
 
-from ..gpu.blocks import blocks_for
 from .commands import Reply
+from .job import Job
 from .media import PromptMedia, check_media
 from .plan import LabelRead
 from .sampling import InvalidParameter, SamplingParams
-from .schedule import Job, Phase
 from .stream import EngineError, Finished, QueueFull
 
-if TYPE_CHECKING:
-    from .lane_core import LaneCore
+
+class Placement(Protocol):
+    """What the decider asks of admission: ids, lanes with their blocks, holds on blocks, the prompt cache."""
+
+    block_size: int
+
+    def new_id(self) -> int: ...
+
+    def place_prefix(self, job: Job, free: list[int]) -> bool:
+        """`job` (a trunk) into `free[0]`, restored from the prompt cache where it can; False without room."""
+        ...
+
+    def place_after(self, job: Job, free: list[int], shared: Sequence[int], tokens: int) -> bool:
+        """`job` (a branch) into `free[0]` over `shared`, blocks holding its first `tokens`; False without room."""
+        ...
+
+    def hold(self, owner: Hashable, blocks: Sequence[int]) -> None: ...
+
+    def let_go(self, owner: Hashable) -> None: ...
+
+    def keep(self, key: Sequence, blocks: Sequence[int]) -> None: ...
+
+    def cancel(self, job: Job) -> None: ...
+
+    def jobs_in_lanes(self) -> Iterator[Job]: ...
+
+    def streams_in_lanes(self) -> bool: ...
 
 
 class DecisionTimeout(EngineError):
@@ -74,7 +99,7 @@ class DecisionJob:
     running: set[int] = field(default_factory=set)  # job ids of its trunk or branches in lanes
     trunk_blocks: list[int] = field(default_factory=list)  # in position order, held under `owner`
     trunk_ready: bool = False
-    cached: int = 0
+    restored: int = 0  # trunk tokens its lane restored from the prompt cache
 
     @property
     def owner(self) -> tuple[str, int]:
@@ -106,8 +131,8 @@ def shared_trunk(prompts: Sequence[Sequence[int]], block_size: int,
 class Decider:
     """Queued and running decisions, with their deadlines; the lane core calls in at the right moments."""
 
-    def __init__(self, core: "LaneCore", max_queue: int, idle_only: bool = False) -> None:
-        self.core = core
+    def __init__(self, placement: Placement, max_queue: int, idle_only: bool = False) -> None:
+        self._placement = placement
         self.max_queue = max_queue
         self.idle_only = idle_only  # the policy to compare against: decisions only when no stream is live
         self.queue: deque[DecisionJob] = deque()
@@ -125,7 +150,7 @@ class Decider:
         except InvalidParameter as error:
             reply.fail(error)
             return
-        trunk = shared_trunk(request.prompts, self.core.pool.block_size, request.media)
+        trunk = shared_trunk(request.prompts, self._placement.block_size, request.media)
         self.queue.append(DecisionJob(job_id, key, request, reply, trunk, deque(range(len(request.prompts))),
                                       [None] * len(request.prompts)))
         self.counts["asked"] += 1
@@ -163,43 +188,30 @@ class Decider:
                     return
 
     def _held_back(self) -> bool:
-        return self.idle_only and any(job is not None and job.kind == "stream" for job in self.core.lanes)
+        return self.idle_only and self._placement.streams_in_lanes()
 
     def _admit_trunk(self, decision: DecisionJob, free: list[int]) -> bool:
-        core = self.core
+        placement = self._placement
         media = tuple(m for m in decision.request.media if m.end <= len(decision.trunk))  # the trunk's own images
-        job = Job(core._take_id(), "trunk", decision.trunk, SamplingParams(), len(decision.trunk), owner=decision,
+        job = Job(placement.new_id(), "trunk", decision.trunk, SamplingParams(), len(decision.trunk), owner=decision,
                   media=media)
-        match = core._lookup(job)
-        need = blocks_for(len(decision.trunk), core.pool.block_size) - len(match.blocks)
-        if not core._room_for(need, match):
+        if not placement.place_prefix(job, free):
             return False
-        core._place(job, free.pop(0), match, capacity=len(decision.trunk))
-        core._counted(job)
-        core._jobs[job.id] = job
         decision.running.add(job.id)
         return True
 
     def _admit_branches(self, decision: DecisionJob, free: list[int]) -> bool:
         """Admit its waiting branches into free lanes; False when the pool has no room for the next one."""
-        core = self.core
+        placement = self._placement
         while decision.trunk_ready and decision.pending and free:
             index = decision.pending[0]  # the branch's place in the request
             prompt = decision.request.prompts[index]
-            job = Job(core._take_id(), "branch", prompt, SamplingParams(), len(prompt), owner=decision,
+            job = Job(placement.new_id(), "branch", prompt, SamplingParams(), len(prompt), owner=decision,
                       labels=decision.request.labels[index], media=decision.request.media)
-            shared = len(decision.trunk) // core.pool.block_size
-            need = blocks_for(len(prompt), core.pool.block_size) - shared
-            if not core._room_for(need, None):
+            shared = decision.trunk_blocks if decision.trunk else ()
+            if not placement.place_after(job, free, shared, len(decision.trunk) if shared else 0):
                 return False
             decision.pending.popleft()
-            table = core._bind(job, free.pop(0))
-            if shared:
-                table.adopt(core.pool, decision.trunk_blocks, len(decision.trunk))
-                job.done = len(decision.trunk)
-            table.reserve(core.pool, len(prompt))
-            job.phase = Phase.PREFILL
-            core._jobs[job.id] = job
             decision.running.add(job.id)
         return True
 
@@ -213,13 +225,12 @@ class Decider:
             self.fail(decision, DecisionCancelled())  # a part ended before its prompt ran: nothing to answer with
             return
         if job.kind == "trunk":
-            full = len(decision.trunk) // self.core.pool.block_size
+            full = len(decision.trunk) // self._placement.block_size
             blocks = job.table.blocks[:full]
-            self.core.pool.fork(decision.owner, blocks)  # the branches adopt these; the lane lets go
+            self._placement.hold(decision.owner, blocks)  # the branches adopt these; the lane lets go
             decision.trunk_blocks = list(blocks)
-            if self.core.cache is not None:
-                self.core.cache.keep(job.key, blocks)  # keyed with its images' digests, as streams are
-            decision.cached = job.cached
+            self._placement.keep(job.key, blocks)  # keyed with its images' digests, as streams are
+            decision.restored = job.cached
             decision.trunk_ready = True
             return
         decision.reads[job_index(decision, job)] = job.read
@@ -228,10 +239,10 @@ class Decider:
 
     def _answer(self, decision: DecisionJob) -> None:
         del self.running[decision.id]
-        self.core.pool.release(decision.owner)
+        self._placement.let_go(decision.owner)
         trunk = len(decision.trunk)
         total = trunk + sum(len(p) - trunk for p in decision.request.prompts)
-        decision.reply.set(DecisionResult(tuple(decision.reads), total, decision.cached))
+        decision.reply.set(DecisionResult(tuple(decision.reads), total, decision.restored))
         self.counts["answered"] += 1
 
     def fail(self, decision: DecisionJob, error: EngineError) -> None:
@@ -240,10 +251,10 @@ class Decider:
             self.queue.remove(decision)
         elif self.running.pop(decision.id, None) is None:
             return
-        for job in self.core.lanes:
-            if job is not None and job.owner is decision:
-                job.cancelled = True
-        self.core.pool.release(decision.owner)
+        for job in self._placement.jobs_in_lanes():
+            if job.owner is decision:
+                self._placement.cancel(job)
+        self._placement.let_go(decision.owner)
         decision.reply.fail(error)
         self.counts["failed"] += 1
 
@@ -254,6 +265,11 @@ class Decider:
 
     def earliest_deadline(self) -> float:
         return min((d.request.deadline for d in list(self.queue) + list(self.running.values())), default=math.inf)
+
+    def fail_queued(self, error: EngineError) -> None:
+        """Decisions not started yet end with `error`; those under way go on."""
+        for decision in list(self.queue):
+            self.fail(decision, error)
 
     def fail_all(self, error: EngineError) -> None:
         for decision in list(self.queue) + list(self.running.values()):

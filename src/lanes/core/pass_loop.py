@@ -1,55 +1,96 @@
-"""The lane core's pass loop: plan a pass, run it on the backend, apply its result and deliver the events;
-the pass ahead and fed passes (docs/DECISIONS.md). A part of the lane core (its state, its one task), kept
-in a file of its own.
+"""The pass loop: plan a pass, run it on the backend, apply its result and deliver its events, and between
+passes free what ended and admit what waits. The one owner of the step counter and of the passes in
+flight (`InFlight`); it reaches the lanes only through the lane table, admission and delivery.
+
+Overlap (docs/DECISIONS.md): when a pass allows it (`Plan.ahead`) and nothing waits, the next pass is planned
+from the result before that is applied, and the result is applied in the `started` callback of the next
+pass, while the device runs it; where the backend feeds, a fed pass is queued behind the running one.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import trio
 
-from . import schedule
-from .schedule import Phase
-from .stream import BackendFailed
+from . import planner
+from .admission import Admission
+from .backend import Backend
+from .delivery import Delivery
+from .drafting import Drafting
+from .job import Job, Phase
+from .lanes import LaneTable
+from .plan import PassResult, Plan
+from .stream import BackendFailed, EngineError, Failed, Finished
+
+
+REFRESH = 16  # with a drafter, at most this many passes in a row planned ahead of their results
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A pass stepped whose result is not applied yet, and the fed pass queued behind it on the device."""
+
+    plan: Plan
+    by_lane: dict[int, Job]
+    result: PassResult
+    queued: Plan | None
 
 
 class PassLoop:
-    """Mixed into `LaneCore`, whose lanes, queue, backend, boundary work and delivery these use."""
+    def __init__(self, lanes: LaneTable, admission: Admission, delivery: Delivery, backend: Backend,
+                 limits: planner.Limits, run_ahead: bool = True, drafting: Drafting | None = None) -> None:
+        self._lanes, self._admission, self._delivery, self._backend = lanes, admission, delivery, backend
+        self.limits, self._run_ahead, self._drafting = limits, run_ahead, drafting
+        self._feeds = backend.shape.feeds  # the device can queue a decode pass fed by the draws of the one before
+        self._cached = admission.caches
+        self._step = 0
+        self._planned_ahead = 0  # passes in a row planned ahead (with a drafter: a fresh one every REFRESH)
+        self.closing = False  # set by `close`: admit nothing new, end once the lanes are empty
+        self._wake = trio.Event()  # set by the lane core's mailbox and timers: something to look at
+        self.passes = self.prefill_rows = self.decode_rows = 0
 
-    async def _pass_loop(self) -> BackendFailed | None:
-        # A pass that ran while the one before it was settled: (plan, its jobs, result, the fed pass queued
-        # behind it on the device or None).
-        ahead = None
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self.closing = True
+
+    async def run(self) -> BackendFailed | None:
+        """Passes until the lane core closes and its lanes are empty; a failed pass fails every waiter."""
+        flight: InFlight | None = None
         while True:
-            if ahead is None:
-                self._boundary()
-                if self._closing and not any(self.lanes) and not self._queue and not self._warm:
+            if flight is None:
+                self.boundary()
+                if self.closing and not any(self._lanes.slots) and not self._admission.queue and not self._admission.warm:
                     return None
-                jobs = sorted((j for j in self.lanes if j is not None), key=lambda j: j.id)
-                plan = schedule.plan(self._step, jobs, self.limits)
+                by_lane = {job.lane: job for job in self._lanes.jobs()}
+                drafting = self._drafting
+                if drafting is not None:
+                    await drafting.begin([j for j in by_lane.values() if j.phase is Phase.DECODE and j.live])
+                plan = planner.plan(self._step, by_lane, self.limits, drafter=drafting)
                 if not plan.work:
                     self._wake = trio.Event()
                     await self._wake.wait()
                     continue
                 self._step += 1
-                by_lane = {j.lane: j for j in jobs}
-                queued = self._fed_after(plan, by_lane, 1)
+                queued = self._fed(((plan, None),), by_lane)
+                started = time.perf_counter()
                 try:
-                    result = await self._run(plan, following=queued)
+                    flight = InFlight(plan, by_lane, await self._run(plan, following=queued), queued)
                 except Exception as error:
                     return self._failed(error)
-                ahead = plan, by_lane, result, queued
-            plan, by_lane, result, following = ahead
-            ahead = None
-            if following is None and self._steady():
-                following = schedule.lookahead(self._step, plan, result, by_lane, self._stop_ids)
-                self._step += following is not None
+                if drafting is not None and queued is None:  # a pass on its own: its cost is its rows'
+                    drafting.passed(plan.rows, time.perf_counter() - started)
+            plan, by_lane, result, following = flight.plan, flight.by_lane, flight.result, flight.queued
+            flight = None
+            if following is None and plan.ahead and self._steady() and self._ahead_allowed():
+                following = self._planned(planner.plan(self._step, by_lane, self.limits, after=((plan, result),)))
             if following is None:
                 self._settle(plan, result, by_lane)
                 continue
-            # The next pass runs on the device while this one's results are applied and delivered (in
-            # `started`, called in the event loop as soon as the device has it); where the device feeds, the
-            # one after it is queued behind it first.
-            behind = self._fed_after(following, by_lane, 2, (plan, result))
+            behind = self._fed(((plan, result), (following, None)), by_lane)
             settle = _Settle(self, plan, result, by_lane)
             try:
                 next_result = await self._run(following, settle, behind)
@@ -59,51 +100,112 @@ class PassLoop:
                 return self._failed(error)
             settle()
             settle.reraise()
-            ahead = following, by_lane, next_result, behind
+            flight = InFlight(following, by_lane, next_result, behind)
 
-    async def _run(self, plan, started=None, following=None):
+    async def _run(self, plan: Plan, started=None, following: Plan | None = None) -> PassResult:
         with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
-            return await self.backend.step(plan, started, following)
+            return await self._backend.step(plan, started, following)
 
-    def _fed_after(self, plan, by_lane, unapplied: int, known=None):
-        """The pass to queue behind `plan` on a device that feeds it `plan`'s draws (`schedule.fed_after`)."""
-        if not (self._feeds and self._steady()):
+    def _ahead_allowed(self) -> bool:
+        """With a drafter, every REFRESH-th pass is planned afresh, so its load control can draft again."""
+        if self._drafting is None:
+            return True
+        self._planned_ahead = (self._planned_ahead + 1) % REFRESH
+        return self._planned_ahead != 0
+
+    def _planned(self, plan: Plan) -> Plan | None:
+        if not plan.work:
             return None
-        fed = schedule.fed_after(self._step, plan, by_lane, self._stop_ids, unapplied, known)
-        self._step += fed is not None
-        return fed
+        self._step += 1
+        return plan
 
-    def _failed(self, error: Exception) -> BackendFailed:
-        failure = BackendFailed(error)
-        failure.__cause__ = error
-        self._fail_all(failure)
-        return failure
+    def _fed(self, after, by_lane: dict[int, Job]) -> Plan | None:
+        """The pass to queue behind `after`'s newest on a device that feeds it that pass's draws."""
+        newest = after[-1][0]
+        if not (self._feeds and newest.feedable and self._steady()):
+            return None
+        return self._planned(planner.plan(self._step, by_lane, self.limits, after=after))
 
     def _steady(self) -> bool:
         """Only decoding streams and nothing waiting: the next pass can be planned before this one is applied."""
-        return self.run_ahead and not (self._closing or self._queue or self._warm or self.decider.busy
-                                       or self._prefilling())
+        admission = self._admission
+        return self._run_ahead and not (self.closing or admission.queue or admission.warm or admission.decider.busy
+                                        or self._prefilling())
 
     def _prefilling(self) -> bool:
         prefill = Phase.PREFILL
-        for job in self.lanes:  # a plain loop: this runs every pass, over every lane
+        for job in self._lanes.slots:  # a plain loop: this runs every pass, over every lane
             if job is not None and job.phase is prefill:
                 return True
         return False
 
-    def _settle(self, plan, result, by_lane) -> None:
-        self._count(plan)
-        events = schedule.apply(plan, result, by_lane, self._stop_ids)
-        for job in by_lane.values() if self.cache is not None else ():  # only the prompt cache restores
-            if job.restore is not None and job.done > job.cached:
-                self._report_restore(job)  # its first pass over the restored prefix is done
-        for job, event in events:
-            self._deliver(job, event)
+    def _failed(self, error: Exception) -> BackendFailed:
+        failure = BackendFailed(error)
+        failure.__cause__ = error
+        self.fail_all(failure)
+        return failure
 
-    def _count(self, plan) -> None:
-        self._counts["passes"] += 1
-        self._counts["prefill_rows"] += plan.prefill_rows
-        self._counts["decode_rows"] += plan.decode_rows
+    # ---- between passes ----
+
+    def _settle(self, plan: Plan, result: PassResult, by_lane: dict[int, Job]) -> None:
+        self.passes += 1
+        self.prefill_rows += plan.prefill_rows
+        self.decode_rows += plan.decode_rows
+        events = self._lanes.apply(plan, result, by_lane)
+        if plan.drafted:
+            for work, sampled in zip(plan.work, result.sampled):
+                if work.draft:
+                    self._drafting.observe(by_lane[work.piece.lane], len(work.draft), len(sampled.tokens) - 1)
+        admission = self._admission
+        for job in by_lane.values() if self._cached else ():  # only the prompt cache restores
+            if job.done > job.cached and admission.restoring(job):
+                admission.report_restore(job)  # its first pass over the restored prefix is done
+        send = self._delivery.send
+        for job, event in events:
+            send(job, event)
+
+    def boundary(self) -> None:
+        """Offer run prompts to the prompt cache, free the lanes of jobs that ended, then admit what waits."""
+        decode, uncached = Phase.DECODE, not self._cached
+        for lane, job in enumerate(self._lanes.slots):
+            if job is None or (job.phase is decode and not job.cancelled and job.outcome is None
+                               and (uncached or job.kept)):
+                continue  # free, or a stream under way whose prompt is kept: most lanes, every pass
+            if not uncached and job.kind == "stream" and not job.kept and job.done >= len(job.prompt):
+                self._admission.keep_prompt(job)
+            # A decoding stream is sent an event every pass, which finds a closed consumer; others are asked.
+            if (job.phase is not decode or job.paused) and job.outcome is None and self._delivery.consumer_gone(job):
+                self._lanes.cancel(job)
+            if job.cancelled or job.outcome is not None:
+                self._free(lane, job)
+        self._admission.admit()
+
+    def _free(self, lane: int, job: Job) -> None:
+        admission = self._admission
+        if admission.restoring(job):
+            admission.report_restore(job)
+        if job.kind == "warm":
+            admission.finish_warm(job)
+        elif job.kind in ("trunk", "branch"):
+            admission.decider.unbound(job)
+        elif job.outcome is None:
+            self._delivery.answer(job, Finished("cancelled", prompt_tokens=len(job.prompt),
+                                                completion_tokens=len(job.generated), cached_tokens=job.cached))
+        if job.kind == "stream" and self._drafting is not None:
+            self._drafting.ended(job)
+        self._lanes.unbind(lane)
+        admission.forget(job)
+
+    def fail_all(self, error: EngineError) -> None:
+        """Every waiter and every job in a lane gets `error`, and every lane is freed."""
+        self._admission.fail_waiting(error)
+        for lane, job in enumerate(self._lanes.slots):
+            if job is not None:
+                if job.kind == "warm":
+                    self._lanes.cancel(job)
+                else:
+                    self._delivery.answer(job, Failed(error))
+                self._free(lane, job)
 
 
 class _Settle:
@@ -111,10 +213,10 @@ class _Settle:
     the stepping task, or as a trio callback when a worker thread launches). A callback must not raise,
     so an error is kept for the pass loop to raise in its own task."""
 
-    __slots__ = ("core", "plan", "result", "by_lane", "ran", "error")
+    __slots__ = ("loop", "plan", "result", "by_lane", "ran", "error")
 
-    def __init__(self, core: PassLoop, plan, result, by_lane) -> None:
-        self.core, self.plan, self.result, self.by_lane = core, plan, result, by_lane
+    def __init__(self, loop: PassLoop, plan: Plan, result: PassResult, by_lane: dict[int, Job]) -> None:
+        self.loop, self.plan, self.result, self.by_lane = loop, plan, result, by_lane
         self.ran, self.error = False, None
 
     def __call__(self) -> None:
@@ -122,8 +224,8 @@ class _Settle:
             return
         self.ran = True
         try:
-            self.core._settle(self.plan, self.result, self.by_lane)
-            self.core._boundary()  # lanes of ended streams free now; admitted work is planned after the pass ahead
+            self.loop._settle(self.plan, self.result, self.by_lane)
+            self.loop.boundary()  # lanes of ended streams free now; admitted work is planned after the pass ahead
         except BaseException as error:  # raised again by `reraise`, in the pass loop's task
             self.error = error
 

@@ -17,10 +17,12 @@ from .sampling import RowSampling
 class Work:
     """One lane's part of a pass: its rows, and what to read from them.
 
-    `sample`: draw the lane's next token from the piece's last row. `targets`: for prompt logprobs, the token
-    that follows each row (one per row, or one fewer when the last row's follower is the sampled token);
-    `top` is how many alternatives to report with each. `labels`: a decision's read of the last row: these
-    tokens' logprobs (their logits less the row's logsumexp).
+    `sample`: draw the lane's next token from the piece's last row. `draft`: tokens proposed after the
+    piece's first (decode) token, which are its other rows; every row is drawn and the longest prefix of
+    the draft that the draws confirm is accepted, with the draw after it (`Sampled.tokens`). `targets`:
+    for prompt logprobs, the token that follows each row (one per row, or one fewer when the last row's
+    follower is the sampled token); `top` is how many alternatives to report with each. `labels`: a
+    decision's read of the last row: these tokens' logprobs (their logits less the row's logsumexp).
     """
 
     piece: Piece
@@ -28,27 +30,36 @@ class Work:
     targets: tuple[int, ...] = ()
     top: int = 0
     labels: tuple[int, ...] = ()
+    draft: tuple[int, ...] = ()
 
     def __init__(self, piece: Piece, sample: RowSampling | None = None, targets: tuple[int, ...] = (), top: int = 0,
-                 labels: tuple[int, ...] = ()) -> None:
+                 labels: tuple[int, ...] = (), draft: tuple[int, ...] = ()) -> None:
         # One a row a pass: the instance dict filled at once, where a frozen dataclass's own __init__ would
         # call object.__setattr__ for each field (three times slower).
         fields = self.__dict__
         fields["piece"], fields["sample"], fields["targets"] = piece, sample, targets
-        fields["top"], fields["labels"] = top, labels
+        fields["top"], fields["labels"], fields["draft"] = top, labels, draft
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A pass: prompt chunks (at most 16, `prefills` of them, first) and then one decode row a live lane.
+    """A pass: prompt chunks (at most 16, `prefills` of them, first) and then the decode rows of live lanes.
 
-    `fed`: every row is a decode row whose token is the one the pass before drew for its lane, read on the
-    device (its pieces hold a stand-in token); only backends whose shape `feeds` are given such plans."""
+    The planner decides once, for the backend and for the pass loop, what the pass allows:
+    `plain`: every work is a stream's draw that is the raw logits' argmax, reporting at most its logprob,
+    with no draft, targets or labels (a captured graph's greedy draw gives exactly it); `ahead`: only
+    streams' decode rows without penalties, so the next pass can be planned from this one's result
+    before it is applied; `fed`: every row is a decode row whose token is the one the pass before drew
+    for its lane, read on the device (its pieces hold a stand-in token); only backends whose shape
+    `feeds` are given such plans, queued behind a plain `ahead` pass."""
 
     step: int
     work: tuple[Work, ...]
     prefills: int
     fed: bool = False
+    plain: bool = False
+    ahead: bool = False
+    drafted: int = 0  # draft tokens in the plan's decode rows (each a row beside its lane's first)
 
     @cached_property  # a backend reads them several times a pass
     def pieces(self) -> tuple[Piece, ...]:
@@ -64,20 +75,47 @@ class Plan:
 
     @property
     def decode_rows(self) -> int:
-        return len(self.work) - self.prefills
+        return len(self.work) - self.prefills + self.drafted
+
+    @property
+    def feedable(self) -> bool:
+        """A fed pass may be queued behind this one (its draws are on the device, one token a lane)."""
+        return self.plain and self.ahead
 
 
 @dataclass(frozen=True, init=False)
 class Sampled:
-    """A drawn token with its logprob and the top alternatives (token, logprob), when asked for."""
+    """What a work's rows added: the tokens drawn (one, or a draft's accepted tokens and the draw after
+    them), each with its logprob and its top alternatives (token, logprob) when asked for."""
 
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
+    tokens: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
 
-    def __init__(self, token: int, logprob: float | None = None, top: tuple[tuple[int, float], ...] = ()) -> None:
+    def __init__(self, tokens: tuple[int, ...], logprobs: tuple[float | None, ...] | None = None,
+                 top: tuple[tuple[tuple[int, float], ...], ...] | None = None) -> None:
         fields = self.__dict__  # one a row a pass: filled at once (as `Work`)
-        fields["token"], fields["logprob"], fields["top"] = token, logprob, top
+        fields["tokens"] = tokens
+        one = len(tokens) == 1
+        fields["logprobs"] = logprobs if logprobs is not None else _NONE if one else (None,) * len(tokens)
+        fields["top"] = top if top is not None else _NO_TOP if one else ((),) * len(tokens)
+
+    @property
+    def token(self) -> int:
+        """The last token drawn: the one the lane's next row is fed."""
+        return self.tokens[-1]
+
+
+_NONE, _NO_TOP = (None,), ((),)  # one token's missing logprob and alternatives
+
+
+def accepted(draft: tuple[int, ...], draws: list[int]) -> int:
+    """How many of `draws` (a draw at each of a drafted piece's rows) stand: the draft's tokens that the draw
+    before each confirms, and the draw after the last of them."""
+    n = 0
+    while n < len(draft) and draft[n] == draws[n]:
+        n += 1
+    return n + 1
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from ..gpu.blocks import BlockPool, IntegrityError
+from .blocks import BlockPool, IntegrityError
 
 
 @dataclass(eq=False)

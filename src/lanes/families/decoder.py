@@ -1,8 +1,8 @@
-"""The forward pass of a Llama-shaped decoder (Llama, Qwen2, Qwen3) over the paged KV cache, for one shard.
+"""The forward pass of a decoder over the paged KV cache, for one shard: its layers' parts in turn.
 
-Every lane's rows of a pass run flat ([T, hidden]) through the matmuls; attention regroups them per lane
-over the block pool. Where ranks would disagree the collective sums (after row-parallel linears and the
-vocabulary-parallel embedding) or gathers (the head's vocabulary slices).
+Every lane's rows of a pass run flat ([T, hidden]) through the parts; attention regroups them per lane
+over the block pool. Where ranks would disagree the collective sums (inside the parts, after row-parallel
+products; after the vocabulary-parallel embedding) or gathers (the head's vocabulary slices).
 """
 
 from __future__ import annotations
@@ -14,23 +14,18 @@ import torch
 import torch.nn.functional as F
 
 from ..core.passes import Piece
-from ..gpu.attention import PagedRows, RowSpan, paged_attention, write_kv
+from ..gpu.attention import PagedRows, RowSpan
 from ..gpu.collective import Collective
 from ..gpu.kv import KVCache
 from .config import ModelConfig
+from .layers import DecoderWeights
 from .mrope import mrope_cos_sin
-from .rope import apply_rotary, cos_sin, inverse_frequencies
-from .weights import DecoderWeights, LayerWeights, Shard
+from .norm import rms_norm
+from .rope import cos_sin, inverse_frequencies
+from .weights import Shard
 
 
 MAX_PREFILLS = 16  # prompts in one batched prompt pass
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalised in float32 and cast back before the weight, as the reference does."""
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 class PassMedia:
@@ -79,12 +74,13 @@ class Decoder:
         self.shard = shard
         self.device = weights.norm.device
         self.dtype = weights.norm.dtype
-        self.heads = config.heads // shard.world
-        self.kv_heads = shard.kv_heads(config)
         self.vocab_first, self.vocab_per_rank = shard.vocab_range(config.vocab_size)
         inv_freq, self.rope_scale = inverse_frequencies(config)
-        self.inv_freq = inv_freq.to(self.device)
-        self.scale = config.head_dim**-0.5
+        self.inv_freq = inv_freq.to(self.device)  # [rotary_dim / 2] float32
+        parts = [p for layer in weights.layers for p in (layer.attention, layer.ffn)]
+        # The one-row GEMVs need one rank and weights they can read by rows; checked once.
+        self.one_row_ready = shard.world == 1 and weights.head.one_row_ready() and all(p.one_row_ready() for p in parts)
+        self.graph_safe = all(layer.ffn.graph_safe for layer in weights.layers)  # whether a CUDA graph may hold a step
 
     def prefill_many(self, pieces: Sequence[Piece]) -> torch.Tensor:
         """Up to 16 prompt pieces (ragged, each at its own start over its own blocks) in one pass."""
@@ -114,13 +110,14 @@ class Decoder:
     def forward_inputs(self, inputs: PassInputs) -> torch.Tensor:
         x = self.embed(inputs.tokens)  # [T, hidden]
         if inputs.media_positions is None:
-            cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)
+            cos, sin = cos_sin(self.inv_freq, self.rope_scale, inputs.positions, self.dtype)  # [T, rotary_dim]
         else:
             cos, sin = mrope_cos_sin(self.inv_freq, self.rope_scale, inputs.media_positions, self.config.mrope_section, self.dtype)
             x = x.index_copy(0, inputs.media_rows, inputs.media_embeds.to(x.dtype))
-        for index, layer in enumerate(self.weights.layers):
-            x = x + self.attention(index, layer, rms_norm(x, layer.input_norm, self.config.rms_eps), cos, sin, inputs.paged)
-            x = x + self.mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_eps))
+        eps = self.config.rms_eps
+        for layer in self.weights.layers:
+            x = x + layer.attention(rms_norm(x, layer.input_norm, eps), cos, sin, inputs.paged, self.kv)
+            x = x + layer.ffn(rms_norm(x, layer.post_norm, eps))
         return self.logits(x.index_select(0, inputs.logit_rows))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -132,31 +129,9 @@ class Decoder:
         rows = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weights.embed)
         return self.comm.all_reduce(rows * inside[:, None].to(rows.dtype))
 
-    def attention(self, index: int, layer: LayerWeights, h: torch.Tensor, cos, sin, paged: PagedRows) -> torch.Tensor:
-        t, d = h.shape[0], self.config.head_dim
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (hq + 2 hkv) * D]
-        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q, k, v = q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.reshape(t, self.kv_heads, d)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, self.config.rms_eps)
-            k = rms_norm(k, layer.k_norm, self.config.rms_eps)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache_k, cache_v = self.kv.layer(index)
-        write_kv(cache_k, cache_v, paged, k, v)
-        out = paged_attention(q, cache_k, cache_v, paged, self.scale).reshape(t, self.heads * d)
-        return self.row_parallel(out, layer.o, layer.o_bias)
-
-    def mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return self.row_parallel(F.silu(gate) * up, layer.down, layer.down_bias)
-
-    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = self.comm.all_reduce(F.linear(x, weight))
-        return out if bias is None else out + bias
-
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab]: the final norm, this rank's vocabulary slice, then the gather."""
-        local = F.linear(rms_norm(rows, self.weights.norm, self.config.rms_eps), self.weights.head)
+        local = self.weights.head(rms_norm(rows, self.weights.norm, self.config.rms_eps))
         if self.shard.world == 1:
             return local
         return self.comm.all_gather(local, dim=-1)[:, : self.config.vocab_size]

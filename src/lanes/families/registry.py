@@ -6,16 +6,20 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .config import ConfigFault, ModelConfig
+from .names import MoENames
 
 
 @dataclass(frozen=True)
 class Family:
-    """A model family: the names it answers to and how its config reads."""
+    """A model family: the names it answers to, how its config reads, and where its experts' tensors are
+    (None: a dense family). Its layers are composed from the config: attention, then a gated MLP or, in
+    the layers the config routes, an MoE block."""
 
     name: str
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
     config: Callable[[Mapping[str, Any]], ModelConfig]
+    experts: MoENames | None = None
 
 
 _FAMILIES: list[Family] = []
@@ -48,4 +52,5 @@ def family_for(config: Mapping[str, Any]) -> Family:
 
 
 def _load_builtin() -> None:
-    from . import llama, qwen2, qwen2_vl, qwen3  # noqa: F401  (each registers itself on import)
+    # each registers itself on import
+    from . import glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen2_vl, qwen3, qwen3_moe  # noqa: F401

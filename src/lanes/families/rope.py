@@ -10,8 +10,9 @@ from .config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, attention scaling applied to cos and sin) as transformers computes them."""
-    rope, dim = config.rope, config.head_dim
+    """(inv_freq [rotary_dim / 2] float32, attention scaling applied to cos and sin) as transformers computes
+    them; `rotary_dim` is the head dimension, or its rotated share under partial rotary."""
+    rope, dim = config.rope, config.rotary_dim
     base = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     inv_freq = 1.0 / (rope.theta**base)
     if rope.kind == "default":
@@ -75,14 +76,18 @@ def _yarn(config: ModelConfig, factor: float, dim: int) -> tuple[torch.Tensor, f
 
 
 def cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, head_dim] for positions [T], computed in float32 and cast as transformers does."""
+    """cos and sin [T, rotary_dim] for positions [T], computed in float32 and cast as transformers does."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]. The half-split rotation of Hugging Face checkpoints."""
+    """x: [T, H, D]; cos, sin: [T, R] with R <= D. The half-split rotation of Hugging Face checkpoints over
+    the first R dimensions of each head; the other D - R pass through (partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat((apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -20,7 +20,7 @@ from .decoder import rms_norm
 from .rope import apply_rotary
 from .vision_tower_config import VisionConfig
 from .vision_tower_layout import Grid, GridLayout, SegmentGroup
-from .weights import _Reader
+from .weights import Reader
 
 PREFIXES = ("visual.", "model.visual.")  # as transformers saves it, and its in-memory (and 4.5x) name
 
@@ -89,7 +89,7 @@ def load_tower_weights(
     progress: Progress | None = None,
 ) -> TowerWeights:
     """Every tensor of the tower, whole; missing or misshapen tensors raise CheckpointError."""
-    read = _Reader(source, path, device, dtype, progress)
+    read = Reader(source, path, device, dtype, progress)
     p = tower_prefix(read.names, path)
     c = config
     e, inter, layer_norm = c.embed_dim, c.intermediate_size, c.family == "qwen2_vl"

@@ -1,14 +1,16 @@
-"""A Llama-shaped decoder's weights for one tensor-parallel shard, read tensor by tensor onto the device.
+"""A shard's tensors read from a checkpoint onto the device: which part of each tensor a rank keeps
+(`Shard`), and the reader every part loads through (shapes checked against the config, one tensor at a time).
 
-Column-parallel linears (q, k, v, gate, up) keep this rank's output rows, row-parallel ones (o, down) its
-input columns; the embedding and the head keep this rank's slice of the vocabulary. q/k/v and gate/up are
-fused into one matrix each, so a layer runs two matmuls where it would run five.
+Column-parallel linears (q, k, v, gate, up, each expert's gate and up) keep this rank's output rows,
+row-parallel ones (o, down, each expert's down) its input columns; the embedding and the head keep this
+rank's slice of the vocabulary. Routers, norms and biases after a sum are replicated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -24,11 +26,21 @@ class Shard:
     world: int = 1
 
     def check(self, config: ModelConfig) -> None:
-        for what, n in (("attention heads", config.heads), ("intermediate size", config.intermediate_size)):
+        splits = [("attention heads", config.heads), ("intermediate size", config.intermediate_size)]
+        if config.moe is not None:
+            splits.append(("expert intermediate size", config.moe.intermediate_size))
+            if config.moe.shared_size:
+                splits.append(("shared expert intermediate size", config.moe.shared_size))
+        for what, n in splits:
             if n % self.world:
                 raise ValueError(f"{what} ({n}) do not split over {self.world} ranks")
         if config.kv_heads % self.world and self.world % config.kv_heads:
             raise ValueError(f"{config.kv_heads} KV heads neither split over nor replicate across {self.world} ranks")
+
+    @property
+    def column(self) -> tuple[int, int]:
+        """(part, parts) of a column- or row-parallel tensor this rank reads."""
+        return self.rank, self.world
 
     def kv_heads(self, config: ModelConfig) -> int:
         """KV heads on this rank; fewer KV heads than ranks are replicated, one a rank."""
@@ -46,32 +58,9 @@ class Shard:
         return self.rank * per_rank, per_rank
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(hq + 2 * hkv) * head_dim, hidden], this rank's heads
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [head_dim]
-    k_norm: torch.Tensor | None
-    o: torch.Tensor  # [hidden, hq * head_dim]
-    o_bias: torch.Tensor | None  # added once, after the all-reduce
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate / world, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate / world]
-    down_bias: torch.Tensor | None
-
-
-@dataclass
-class DecoderWeights:
-    embed: torch.Tensor  # [vocab_per_rank, hidden]
-    layers: list[LayerWeights]
-    norm: torch.Tensor
-    head: torch.Tensor  # [vocab_per_rank, hidden]; the embedding itself when tied
-
-
-class _Reader:
-    """Reads named tensors from a source onto the device, checking shapes against the config."""
+class Reader:
+    """Reads named tensors from a source onto the device, checking shapes against the config; one step of
+    `progress` a tensor the model holds (an MoE layer's experts, read expert by expert, are one)."""
 
     def __init__(self, source: TensorSource, path: Path, device: torch.device, dtype: torch.dtype, progress: Progress | None):
         self.source, self.path, self.device, self.dtype, self.progress = source, path, device, dtype, progress
@@ -80,16 +69,27 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def get(self, name: str, shape: tuple[int, ...], *, dim: int | None = None, part: tuple[int, int] = (0, 1)) -> torch.Tensor:
-        if name not in self.names:
-            raise CheckpointError(self.path, f"missing tensor {name!r}")
-        stored = tuple(self.source.shape(name))
-        if stored != shape:
-            raise CheckpointError(self.path, f"tensor {name!r} has shape {list(stored)}, the config says {list(shape)}")
-        host = self.source.get(name, dim=dim, rank=part[0], world=part[1]) if dim is not None else self.source.get(name)
-        if self.progress is not None:
-            self.progress.advance()
-        return host.to(device=self.device, dtype=self.dtype)
+    def get(self, name: str, shape: tuple[int, ...], *, dim: int | None = None, part: tuple[int, int] = (0, 1),
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor, or with `dim` the `part[0]`-th of `part[1]` equal slices along it, on the device in the
+        model's dtype (or `dtype`)."""
+        tensor = self._read(name, shape, dim, part, dtype)
+        self._advance()
+        return tensor
+
+    def stacked(self, names: Sequence[str], stacked: str, shape: tuple[int, ...], *, dim: int,
+                part: tuple[int, int]) -> torch.Tensor:
+        """Every expert's tensor of `shape`, sliced along `dim` as `get` slices: [experts, *slice]. Read from
+        the stacked tensor `stacked` where the checkpoint has one (GGUF), else expert by expert (`names`)."""
+        if self.has(stacked):
+            return self.get(stacked, (len(names), *shape), dim=dim + 1, part=part)
+        sliced = list(shape)
+        sliced[dim] //= part[1]
+        out = torch.empty(len(names), *sliced, device=self.device, dtype=self.dtype)
+        for expert, name in enumerate(names):
+            out[expert] = self._read(name, shape, dim, part, None)
+        self._advance()
+        return out
 
     def vocab(self, name: str, config: ModelConfig, shard: Shard) -> torch.Tensor:
         """This rank's vocabulary rows, zero-padded to the per-rank size."""
@@ -100,62 +100,16 @@ class _Reader:
             rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], rows.shape[1])])
         return rows.contiguous()
 
+    def _read(self, name: str, shape: tuple[int, ...], dim: int | None, part: tuple[int, int],
+              dtype: torch.dtype | None) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(self.path, f"missing tensor {name!r}")
+        stored = tuple(self.source.shape(name))
+        if stored != shape:
+            raise CheckpointError(self.path, f"tensor {name!r} has shape {list(stored)}, the config says {list(shape)}")
+        host = self.source.get(name, dim=dim, rank=part[0], world=part[1]) if dim is not None else self.source.get(name)
+        return host.to(device=self.device, dtype=dtype or self.dtype)
 
-def tensor_count(config: ModelConfig) -> int:
-    """How many tensors `load_decoder` reads (for the progress bar)."""
-    per_layer = 9 + 3 * config.qkv_bias + config.o_bias + 3 * config.mlp_bias + 2 * config.qk_norm
-    return 2 + (not config.tie_embeddings) + per_layer * config.layers
-
-
-def load_decoder(
-    config: ModelConfig,
-    source: TensorSource,
-    path: Path,
-    *,
-    shard: Shard,
-    device: torch.device,
-    dtype: torch.dtype,
-    progress: Progress | None = None,
-) -> DecoderWeights:
-    """Read every tensor this shard needs; missing or misshapen tensors raise CheckpointError."""
-    shard.check(config)
-    read = _Reader(source, path, device, dtype, progress)
-    hidden, d = config.hidden_size, config.head_dim
-    q_rows, kv_rows, inter = config.heads * d, config.kv_heads * d, config.intermediate_size
-    column, kv_part, row = (shard.rank, shard.world), shard.kv_part(config), (shard.rank, shard.world)
-
-    layers = []
-    for i in range(config.layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-
-        def qkv(kind: str, shape_tail: tuple[int, ...]) -> torch.Tensor:
-            q = read.get(attn + f"q_proj.{kind}", (q_rows, *shape_tail), dim=0, part=column)
-            k = read.get(attn + f"k_proj.{kind}", (kv_rows, *shape_tail), dim=0, part=kv_part)
-            v = read.get(attn + f"v_proj.{kind}", (kv_rows, *shape_tail), dim=0, part=kv_part)
-            return torch.cat([q, k, v]).contiguous()
-
-        def gate_up(kind: str, shape_tail: tuple[int, ...]) -> torch.Tensor:
-            gate = read.get(p + f"mlp.gate_proj.{kind}", (inter, *shape_tail), dim=0, part=column)
-            up = read.get(p + f"mlp.up_proj.{kind}", (inter, *shape_tail), dim=0, part=column)
-            return torch.cat([gate, up]).contiguous()
-
-        layers.append(
-            LayerWeights(
-                input_norm=read.get(p + "input_layernorm.weight", (hidden,)),
-                qkv=qkv("weight", (hidden,)),
-                qkv_bias=qkv("bias", ()) if config.qkv_bias else None,
-                q_norm=read.get(attn + "q_norm.weight", (d,)) if config.qk_norm else None,
-                k_norm=read.get(attn + "k_norm.weight", (d,)) if config.qk_norm else None,
-                o=read.get(attn + "o_proj.weight", (hidden, q_rows), dim=1, part=row),
-                o_bias=read.get(attn + "o_proj.bias", (hidden,)) if config.o_bias else None,
-                post_norm=read.get(p + "post_attention_layernorm.weight", (hidden,)),
-                gate_up=gate_up("weight", (hidden,)),
-                gate_up_bias=gate_up("bias", ()) if config.mlp_bias else None,
-                down=read.get(p + "mlp.down_proj.weight", (hidden, inter), dim=1, part=row),
-                down_bias=read.get(p + "mlp.down_proj.bias", (hidden,)) if config.mlp_bias else None,
-            )
-        )
-    embed = read.vocab("model.embed_tokens.weight", config, shard)
-    head = embed if config.tie_embeddings else read.vocab("lm_head.weight", config, shard)
-    return DecoderWeights(embed=embed, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=head)
+    def _advance(self) -> None:
+        if self.progress is not None:
+            self.progress.advance()

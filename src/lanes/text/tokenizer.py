@@ -163,6 +163,12 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def same_as(self, other: "Tokenizer") -> bool:
+        """Whether `other` gives every text the same ids (the same vocabulary, specials and end ids)."""
+        return (self._backend.get_vocab(with_added_tokens=True) == other._backend.get_vocab(with_added_tokens=True)
+                and self._special_ids == other._special_ids and self._eos_ids == other._eos_ids
+                and self._backend.to_str() == other._backend.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -235,6 +241,10 @@ class Tokenizer:
                                 continue_final_message=continue_final_message,
                                 tools=chat.mark(tools, markers) if tools is not None else None, **chat.mark(extra, markers))
         return chat.encode(text, markers)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine reads its vocabulary from)."""
+        return self._backend.to_str()
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True) -> IncrementalDetokenizer | ByteDetokenizer:
         """A streaming decoder for one generation; `prompt_ids` set the first token's leading space; special

@@ -14,17 +14,19 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..core.backend import BackendShape
+from ..core.grammar import Grammar, LaneGrammars, Matcher
+from ..core.plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs, accepted
+from ..core.sampling import RowSampling, SamplingParams
+from ..core.stops import TextAssembler
 from ..gpu.device import CpuRunner, CudaRunner
-from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled
+from ..gpu.graphs import PROMPT_ROWS, DecodeGraphs, graphs_enabled, greedy_draw
+from ..gpu.transfer import PinnedRing, to_host
 from ..loader import LoadedModel
 from ..text.tokenizer import Tokenizer
-from .backend import BackendShape
-from .plan import LabelRead, PassResult, Plan, Sampled, TargetLogprobs
-from ..gpu.transfer import PinnedRing, to_host
+from .draws import Sampled as SampledTensors
+from .draws import on_host, prompt_logprobs, sample
 from .penalties import PenaltyState
-from .sampling import RowSampling, SamplingParams, greedy_draw, on_host, plain_greedy, prompt_logprobs, sample
-from .sampling import Sampled as SampledTensors
-from .stops import TextAssembler
 from .vision_lanes import VisionLanes
 
 
@@ -32,7 +34,7 @@ class TorchBackend:
     """A `LoadedModel`'s decoder driven by plans. `lanes` and `max_model_len` bound what the lane core plans."""
 
     def __init__(self, model: LoadedModel, runner: CpuRunner | CudaRunner, *, lanes: int, max_model_len: int | None = None,
-                 graphs: bool = True, capture: bool = True) -> None:
+                 graphs: bool = True, capture: bool = True, grammars: Callable[[Grammar], Matcher] | None = None) -> None:
         self.model = model
         self.decoder = model.decoder
         self.runner = runner
@@ -41,6 +43,7 @@ class TorchBackend:
         self._shape = BackendShape(lanes, model.kv_blocks, kv.shape.block_size, model.config.vocab_size, length,
                                    bytes_per_block=kv.shape.bytes_per_block(kv.data.dtype))
         self.penalties = PenaltyState(lanes, model.config.vocab_size, model.placement.device)
+        self.grammars = LaneGrammars(model.config.vocab_size, grammars)  # matchers from `grammars`, if given
         self.graphs = fast_decode(model, lanes, length, graphs)
         tower = model.vision
         self.vision = VisionLanes(tower, tower.config.merge_size, model.placement.device) if tower is not None else None
@@ -61,6 +64,8 @@ class TorchBackend:
     def bind(self, lane: int, prompt: Sequence[int], sampling: SamplingParams, media: Sequence = ()) -> None:
         if sampling.needs_penalties:
             self.penalties.bind(lane, prompt)
+        if sampling.grammar is not None:
+            self.grammars.bind(lane, sampling.grammar)
         if media:
             if self.vision is None:
                 raise ValueError("this model has no vision tower loaded")  # the server refuses such requests before
@@ -69,10 +74,13 @@ class TorchBackend:
     def unbind(self, lane: int) -> None:
         if self.penalties.is_bound(lane):
             self.penalties.unbind(lane)
+        if self.grammars.is_bound(lane):
+            self.grammars.unbind(lane)
         if self.vision is not None:
             self.vision.unbind(lane)
 
     async def aclose(self) -> None:
+        self.grammars.close()
         self.runner.close()
 
     async def step(self, plan: Plan, started: Callable[[], None] | None = None,
@@ -99,36 +107,40 @@ class TorchBackend:
             self._queued = following, self.launch(following)
         return pending
 
-    def run_pass(self, plan: Plan) -> PassResult:
-        """The pass itself, on the caller's thread (and stream): launched, waited for, read back."""
-        return self.launch(plan).result()
-
     @torch.inference_mode()
     def launch(self, plan: Plan) -> "_Pending":
         """Put the pass on the current stream: forward, sample, and the read-back of its results."""
         if plan.fed and not self._shape.feeds:
             raise ValueError("this backend cannot run fed plans")
+        self.penalties.flush()  # the lanes bound and freed since the last pass, written on this pass's stream
         feed = [self._last_rows[p.lane] for p in plan.pieces] if plan.fed else None
+        masks = None if plan.plain else self.grammars.masks_beside(plan.work)  # on the host while the forward runs
         logits, greedy = forward(self.decoder, self.graphs, plan, self.vision, feed)
         if greedy is not None:  # the draws buffer holds a row for each piece whose logits are read
             read = plan.pieces if plan.fed else [p for p in plan.pieces if p.logits == "last"]
             self._last_rows = {p.lane: row for row, p in enumerate(read)}
-        # A fed plan's rows are plain greedy draws (`schedule.fed_after` checked the first of its chain).
-        if plan.fed or (all(w.sample is not None and not w.targets and not w.labels for w in plan.work) and
-                        plain_greedy([w.sample for w in plan.work])):
+        if plan.plain:  # the planner's choice: every row a plain greedy draw
             return self._greedy_result(plan, greedy if greedy is not None else greedy_draw(logits))
-        return _Pending(self._general_result(plan, logits))
+        return _Pending(self._general_result(plan, logits, masks))
 
-    def _general_result(self, plan: Plan, logits: torch.Tensor) -> Callable[[], PassResult]:
+    def _general_result(self, plan: Plan, logits: torch.Tensor, masks=None) -> Callable[[], PassResult]:
         """Queue the pass's sampling and reads on the device; returns what reads them back (one sync)."""
         device = logits.device
         draw_rows, rows, target_rows, targets, read_rows, labels = [], [], [], [], [], []
+        before, drafts = [], []  # each draw's tokens ahead of it in its draft; (first draw, draft) a drafted work
         offset = 0
         for work in plan.work:
             n = work.piece.logit_rows
-            if work.sample is not None:
+            if work.draft:  # a draw at every row of the piece, each keyed by its own step
+                sample = work.sample
+                drafts.append((len(rows), work.draft))
+                draw_rows.extend(range(offset, offset + n))
+                rows.extend(RowSampling(sample.lane, sample.params, sample.step + i) for i in range(n))
+                before.extend(work.draft[:i] for i in range(n))
+            elif work.sample is not None:
                 draw_rows.append(offset + n - 1)
                 rows.append(work.sample)
+                before.append(())
             if work.labels:
                 read_rows.extend([offset + n - 1] * len(work.labels))
                 labels.extend(work.labels)
@@ -137,7 +149,8 @@ class TorchBackend:
             offset += n
         on_device = []
         if rows:
-            drawn = self._draw(logits, draw_rows, rows, device)
+            drawn = self._draw(logits, draw_rows, rows, device, before if drafts else None, drafts,
+                               masks.result() if masks is not None else None)
             on_device += [drawn.tokens, drawn.logprobs, drawn.top_ids, drawn.top_logprobs]
         if targets:
             index = torch.tensor(target_rows, dtype=torch.int64, device=device)
@@ -158,9 +171,14 @@ class TorchBackend:
             if work.sample is None:
                 sampled.append(None)
                 continue
+            n = len(work.piece.tokens) if work.draft else 1
+            kept = accepted(work.draft, drawn_host.tokens[i : i + n]) if work.draft else 1
             wants = work.sample.params.logprobs
-            sampled.append(Sampled(drawn_host.tokens[i], drawn_host.logprobs[i] if wants else None, tuple(drawn_host.top[i])))
-            i += 1
+            sampled.append(Sampled(tuple(drawn_host.tokens[i : i + kept]),
+                                   tuple(drawn_host.logprobs[i : i + kept]) if wants else (None,) * kept,
+                                   tuple(tuple(top) for top in drawn_host.top[i : i + kept])))
+            i += n
+        self.grammars.advance(plan.work, sampled)  # each constrained lane's matcher takes what its lane kept
         return PassResult(tuple(sampled), tuple(prompt), tuple(reads))
 
     def _greedy_result(self, plan: Plan, drawn: torch.Tensor) -> "_Pending":
@@ -193,13 +211,21 @@ class TorchBackend:
             at += n
         return out
 
-    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device) -> SampledTensors:
+    def _draw(self, logits: torch.Tensor, draw_rows: list[int], rows: list[RowSampling], device,
+              before=None, drafts=(), masks=None) -> SampledTensors:
+        """The rows' draws; each drafted row counts the draft tokens ahead of it among its lane's output, and
+        only a draft's accepted draws are recorded in its lane's history (decided on the device)."""
         picked = logits.index_select(0, torch.tensor(draw_rows, dtype=torch.int64, device=device))  # [S, V]
         penalised = any(r.params.needs_penalties for r in rows)
-        out = sample(picked, rows, self.penalties if penalised else None)
+        out = sample(picked, rows, self.penalties if penalised else None, before, masks)
         if penalised:
             lanes = torch.tensor([r.lane for r in rows], dtype=torch.int64, device=device)
-            self.penalties.record(lanes, out.tokens)
+            kept = torch.ones(len(rows), dtype=torch.bool, device=device)  # [S]
+            for first, draft in drafts:
+                k = len(draft)
+                agree = out.tokens[first : first + k] == torch.tensor(draft, dtype=torch.int64, device=device)
+                kept[first + 1 : first + 1 + k] = torch.cumprod(agree.to(torch.int64), 0).bool()
+            self.penalties.record(lanes[kept], out.tokens[kept])
         return out
 
     @staticmethod
@@ -244,11 +270,15 @@ class _Pending:
         return self.read()
 
 
+_NO_TOP = ((),)
+
+
 def _greedy_sampled(plan: Plan, drawn: np.ndarray) -> PassResult:
     """`drawn`: a pass's greedy draws [2, R] float64, flat (ids are exact in float64)."""
     rows = len(plan.work)
     tokens, logprobs = drawn[:rows].astype(np.int64).tolist(), drawn[rows : 2 * rows].tolist()
-    sampled = tuple(Sampled(t, lp if w.sample.params.logprobs else None) for w, t, lp in zip(plan.work, tokens, logprobs))
+    sampled = tuple(Sampled((t,), (lp if w.sample.params.logprobs else None,), _NO_TOP)
+                    for w, t, lp in zip(plan.work, tokens, logprobs))
     return PassResult(sampled, (None,) * rows)
 
 

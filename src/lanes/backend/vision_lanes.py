@@ -16,8 +16,8 @@ import torch
 
 from ..families.decoder import PassMedia
 from ..families.mrope import GridSpan, prompt_positions
-from .media import PromptMedia
-from .passes import Piece
+from ..core.media import PromptMedia
+from ..core.passes import Piece
 
 
 @dataclass

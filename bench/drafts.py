@@ -1,0 +1,138 @@
+"""Speculative drafts on the CPU: decode tokens/s with drafts off and on, in one run, at 1, 8 and 32 streams.
+
+    python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--runs 1]
+
+Two fixed workloads, chat requests to the default model, greedy: `input-grounded` (repeat, quote or copy a
+given passage, where the answer repeats its input) and `open-ended` (stories and explanations). At N streams,
+N requests run at once (at 1 stream, 4 one after another). Decode tokens/s counts each stream's tokens after
+its first, over the time from the first stream's first token to the last one's last; drafts are sized by
+the lane core's load control, as `lanes serve --draft` runs them. Prints one table: tokens/s off, each
+method's tokens/s, its ratio to off, and its mean accepted draft tokens a drafted piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import trio
+
+from lanes.backend.torch_backend import TorchBackend, text_factory
+from lanes.core.blocks import blocks_for
+from lanes.core.lane_core import LaneCore
+from lanes.core.sampling import SamplingParams
+from lanes.core.stream import Finished, Request, TokenEvent
+from lanes.drafts.ngram import NgramDrafter
+from lanes.drafts.suffix import SuffixDrafter
+from lanes.gpu.device import choose, runner_for
+from lanes.loader import load_model
+from lanes.models import DEFAULT_MODEL, resolve_model
+
+PASSAGES = [
+    "The river runs through the old town, past the market and the stone bridge, and on to the sea. In spring the "
+    "water rises and the fishermen mend their nets on the bank while children watch the boats come in.",
+    "To reset the router, unplug it from the wall, wait thirty seconds, and plug it back in. When the front light "
+    "turns green, open the settings page and sign in with the password printed on the label underneath.",
+    "The committee met on Tuesday to review the budget. It agreed to fund the new library wing, delayed the road "
+    "repairs until the autumn, and asked the treasurer to report again at the next meeting in March.",
+    "Bees visit thousands of flowers in a single day. They carry pollen from one plant to the next, and in doing "
+    "so they help fruit and seeds to form. Without them, many crops would give far smaller harvests.",
+    "def total(items):\n    result = 0\n    for item in items:\n        result = result + item.price * item.count\n"
+    "    return result\n\n\ndef average(items):\n    return total(items) / len(items)\n",
+    "Mix the flour and the salt in a large bowl. Add the warm water slowly, stirring all the time, until the dough "
+    "comes together. Knead it for ten minutes, then leave it covered in a warm place for an hour.",
+    "The train to the coast leaves platform four at nine in the morning and stops at every station along the "
+    "valley. Tickets can be bought on board, but seats are not reserved, so it is best to arrive early.",
+    "Our office will be closed on Monday for the holiday. Orders placed over the weekend will be shipped on "
+    "Tuesday, and our support team will answer every message in the order it arrived.",
+]
+ASKS = ["Repeat the following text exactly, word for word:\n\n{}", "Copy this text:\n\n{}",
+        "Here is a text:\n{}\nQuote the whole text back to me.", "Please write out this text again, unchanged:\n\n{}"]
+TOPICS = ["a cat who learns to sail", "why the sky is blue", "a robot that paints", "how bread rises",
+          "a journey across the desert", "the life of a lighthouse keeper", "how rainbows form", "a lost key",
+          "the first day at a new school", "why leaves change colour", "a dragon who is afraid of fire",
+          "how a bicycle works", "a storm at sea", "the moon landing", "a garden in winter", "a talking tree"]
+OPEN = ["Write a short story about {}.", "Explain {} to a child."]
+
+
+def workloads() -> dict[str, list[str]]:
+    grounded = [ask.format(passage) for passage in PASSAGES for ask in ASKS]
+    open_ended = [form.format(topic) for topic in TOPICS for form in OPEN]
+    return {"input-grounded": grounded, "open-ended": open_ended}
+
+
+async def run(model, placement, prompts: list[list[int]], at_once: int, new: int, drafts) -> tuple[float, float | None]:
+    """Decode tokens/s over `prompts`, `at_once` at a time; and the mean accepted length when drafting."""
+    backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
+    core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
+                    drafts=drafts, draft_tokens=8)
+    firsts, lasts, tokens = [], [], 0
+    limiter = trio.Semaphore(at_once)
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal tokens
+        async with limiter:
+            stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=new)))
+            seen = 0
+            async for event in stream.events:
+                if isinstance(event, TokenEvent):
+                    seen += 1
+                    (firsts if seen == 1 else lasts).append(time.perf_counter())
+                elif isinstance(event, Finished):
+                    tokens += event.completion_tokens - 1
+                    lasts.append(time.perf_counter())
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(core.run)
+        async with trio.open_nursery() as clients:
+            for prompt in prompts:
+                clients.start_soon(one, prompt)
+        stats = core.statistics()
+        await core.shutdown(0)
+    core.check_stopped()
+    rate = tokens / (max(lasts) - min(firsts))
+    return rate, stats.drafts.mean_accepted if stats.drafts is not None else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--streams", default="1,8,32")
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each setting, interleaved; the median is shown")
+    args = parser.parse_args()
+    placement = choose("cpu", "fp32")
+    counts = [int(n) for n in args.streams.split(",")]
+    model = load_model(resolve_model(args.model), placement, kv_blocks=max(counts) * blocks_for(1024))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+    rows = []
+    for name, texts in workloads().items():
+        prompts = [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
+        for n in counts:
+            batch = prompts[:4] if n == 1 else prompts[:n]
+            results: dict[str, list] = {"off": [], **{m: [] for m in methods}}
+            for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on every setting
+                for method in results:
+                    print(f"{name}, {n} streams, {method}, run {i + 1} ...", file=sys.stderr, flush=True)
+                    drafts = sources[method]() if method != "off" else None
+                    results[method].append(trio.run(run, model, placement, batch, n, args.new, drafts))
+            rows.append((name, n, {m: sorted(r)[len(r) // 2] for m, r in results.items()}))
+    print(f"\ndrafts on the CPU ({args.model}, fp32), greedy, {args.new} new tokens a request, median of {args.runs}")
+    head = f"{'workload':>15} {'streams':>7} {'off tok/s':>9}"
+    for method in methods:
+        head += f" {method + ' tok/s':>12} {'x off':>6} {'accepted':>8}"
+    print(head)
+    for name, n, result in rows:
+        off = result["off"][0]
+        line = f"{name:>15} {n:>7} {off:>9.1f}"
+        for method in methods:
+            rate, accepted = result[method]
+            line += f" {rate:>12.1f} {rate / off:>6.2f} {accepted:>8.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Drafting: how many tokens each lane drafts, and asking its source for them.
+
+The one owner of each stream's draft record (what it was proposed and what was accepted, decayed) and of a
+model of the passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves). Before a
+pass it gives each lane the draft length that most raises the pass's expected tokens a second: a lane
+whose drafts are accepted at rate a gains a^(k+1) expected tokens from its (k+1)-th draft token, which
+costs one row; a lane drafts one more token while that gain beats the pass's current tokens a second times
+a row's cost. So a lane whose drafts fail, or a pass big enough that rows are dear, drafts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .job import Job
+
+PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
+DECAY = 0.8  # the weight of a stream's past drafts against its latest one
+COST_DECAY = 0.95  # the weight of past passes in the cost model
+PROBE = 4  # every 4th fresh plan that would draft nothing drafts one token: rates and costs stay learnt
+
+
+class DraftSource(Protocol):
+    """Where drafts come from (`lanes.drafts`): n-grams of a stream's own context, a suffix index, a model."""
+
+    def propose(self, job: Job, most: int) -> tuple[int, ...]:
+        """Up to `most` tokens that may follow the stream's context (its prompt and generated tokens)."""
+        ...
+
+    def forget(self, job: Job) -> None:
+        """The stream has ended: what is kept for it alone goes (what it taught a shared index stays)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    drafted: int  # draft tokens proposed in passes
+    accepted: int  # of those, kept
+    pieces: int  # drafted pieces (a lane's draft in one pass)
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens kept a drafted piece."""
+        return self.accepted / self.pieces if self.pieces else 0.0
+
+
+class Drafting:
+    """The planner's drafter (`planner.Drafter`): `propose` for each decoding lane of a pass; the pass loop
+    reports each pass's cost (`passed`) and its drafts' fate (`observe`), and each stream's end (`ended`)."""
+
+    def __init__(self, source: DraftSource, most: int, control: bool = True) -> None:
+        self.source, self.most = source, most
+        self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
+        self._rates: dict[int, float] = {}  # job id -> its drafts' acceptance, decayed
+        self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
+        self._fixed, self._per_row = 0.0, 0.0  # the cost model: seconds a pass, and a row more
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
+        self._idle = 0  # fresh plans in a row that drafted nothing
+        self.drafted = self.accepted = self.pieces = 0
+
+    async def begin(self, jobs) -> None:
+        """Before a pass is planned: each decoding job's draft length, and the source's drafts made ready
+        where making them takes a model's passes (off the event loop)."""
+        self._lengths = self._choose(jobs)
+        if self._lengths and not any(self._lengths.values()):
+            # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
+            self._idle += 1
+            if self._idle % PROBE == 0:
+                self._lengths[max(self._lengths, key=lambda job: self._rates.get(job, PRIOR))] = 1
+        prepare = getattr(self.source, "prepare", None)
+        if prepare is not None:
+            await prepare(jobs, self._lengths)
+
+    def plan(self, jobs) -> dict[int, int]:
+        """The draft lengths `begin` chose, by job id (the planner's `Drafter`)."""
+        return self._lengths
+
+    def _choose(self, jobs) -> dict[int, int]:
+        """Each decoding job's draft length (by id) for the next pass; see the module's docstring."""
+        rates = {job.id: self._rates.get(job.id, PRIOR) for job in jobs}
+        if not self.control:
+            return dict.fromkeys(rates, self.most)
+        lengths = dict.fromkeys(rates, 0)
+        if self.most <= 0 or not rates:
+            return lengths
+        fixed, per_row = self._fixed, self._per_row
+        tokens, rows = float(len(rates)), float(len(rates))
+        gains = {job: rate for job, rate in rates.items()}  # the next draft token's expected gain, a lane
+        while gains:
+            job, gain = max(gains.items(), key=lambda item: item[1])
+            seconds = fixed + per_row * rows
+            if seconds > 0 and gain * seconds <= tokens * per_row:
+                break  # no lane's next token pays for its row
+            lengths[job] += 1
+            tokens, rows = tokens + gain, rows + 1
+            if lengths[job] >= self.most:
+                del gains[job]
+            else:
+                gains[job] = gain * rates[job]
+        return lengths
+
+    def propose(self, job: Job, most: int) -> tuple[int, ...]:
+        if most <= 0 or job.media:  # no drafts over images and videos
+            return ()
+        return self.source.propose(job, most)
+
+    def observe(self, job: Job, drafted: int, accepted: int) -> None:
+        """A pass kept `accepted` of the `drafted` tokens proposed for `job`."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.pieces += 1
+        rate = self._rates.get(job.id, PRIOR)
+        self._rates[job.id] = DECAY * rate + (1 - DECAY) * (accepted / drafted)
+
+    def passed(self, rows: int, seconds: float) -> None:
+        """A pass of `rows` rows took `seconds`: the cost model learns it (a decayed least-squares line)."""
+        s = self._sums
+        for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            s[i] = COST_DECAY * s[i] + value
+        spread = s[0] * s[2] - s[1] * s[1]
+        if spread > 1e-9 * max(1.0, s[2]):
+            self._per_row = max(0.0, (s[0] * s[4] - s[1] * s[3]) / spread)
+        self._fixed = max(0.0, (s[3] - self._per_row * s[1]) / s[0])
+
+    def ended(self, job: Job) -> None:
+        self._rates.pop(job.id, None)
+        self.source.forget(job)
+
+    def statistics(self) -> DraftStats:
+        return DraftStats(self.drafted, self.accepted, self.pieces)

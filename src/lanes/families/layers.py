@@ -1,0 +1,80 @@
+"""A decoder as parts: each layer an attention part and a feed-forward part (a gated MLP, or a routed MoE
+block) between two RMSNorms, and the model's embedding, final norm and head; read for one shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.source import TensorSource
+from ..gpu.collective import Collective, Solo
+from ..progress import Progress
+from .attention import Attention
+from .config import ModelConfig
+from .linear import Linear
+from .mlp import GatedMLP
+from .moe import MoE
+from .names import ATTENTION, INPUT_NORM, MLP, POST_NORM, MoENames
+from .weights import Reader, Shard
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [hidden]
+    attention: Attention
+    post_norm: torch.Tensor  # [hidden]
+    ffn: GatedMLP | MoE
+
+
+@dataclass
+class DecoderWeights:
+    embed: torch.Tensor  # [vocab_per_rank, hidden]: looked up, never multiplied
+    layers: list[Layer]
+    norm: torch.Tensor  # [hidden]
+    head: Linear  # [vocab_per_rank, hidden]; the embedding itself when tied
+
+
+def tensor_count(config: ModelConfig) -> int:
+    """How many tensors `load_decoder` reads (for the progress bar; an MoE layer's experts count one a matrix)."""
+    total = 2 + (not config.tie_embeddings)
+    for i in range(config.layers):
+        sparse = config.moe is not None and config.moe.sparse(i)
+        total += 2 + Attention.tensors(config) + (MoE.tensors(config.moe) if sparse else GatedMLP.tensors(config.mlp_bias))
+    return total
+
+
+def load_decoder(
+    config: ModelConfig,
+    source: TensorSource,
+    path: Path,
+    *,
+    shard: Shard,
+    device: torch.device,
+    dtype: torch.dtype,
+    experts: MoENames | None = None,
+    comm: Collective | None = None,
+    progress: Progress | None = None,
+) -> DecoderWeights:
+    """Read every tensor this shard needs, composing each layer's parts from the config (`experts`: where
+    an MoE family keeps its experts' tensors); missing or misshapen tensors raise CheckpointError."""
+    shard.check(config)
+    if config.moe is not None and experts is None:
+        raise ValueError(f"the {config.family} family has experts but names none of their tensors")
+    comm = comm or Solo()
+    read = Reader(source, path, device, dtype, progress)
+    hidden = config.hidden_size
+    layers = []
+    for i in range(config.layers):
+        prefix = f"model.layers.{i}."
+        attention = Attention.load(read, prefix + ATTENTION, i, config, shard, comm)
+        if config.moe is not None and config.moe.sparse(i):
+            ffn: GatedMLP | MoE = MoE.load(read, prefix, experts, config, shard, comm)
+        else:
+            ffn = GatedMLP.load(read, prefix + MLP, hidden, config.intermediate_size, config.mlp_bias, shard, comm,
+                                config.rms_eps)
+        layers.append(Layer(read.get(prefix + INPUT_NORM, (hidden,)), attention, read.get(prefix + POST_NORM, (hidden,)), ffn))
+    embed = read.vocab("model.embed_tokens.weight", config, shard)
+    head = embed if config.tie_embeddings else read.vocab("lm_head.weight", config, shard)
+    return DecoderWeights(embed=embed, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=Linear(head))

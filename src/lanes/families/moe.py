@@ -1,0 +1,111 @@
+"""The routed MoE part: a router, the routed experts and, where the family has them, shared experts.
+
+The experts run grouped: every (token, choice) pair is sorted by expert, each expert's rows go through
+its matrices together (`ExpertLinear.grouped`), and the outputs are scattered back onto their tokens
+with their routing weights; no Python loop visits tokens. Each rank holds a slice of every expert's
+intermediate dimension (as a dense MLP is split), so the routed and the shared outputs are partial sums,
+added and then summed across ranks once. Off the CPU the grouped product loops over experts with rows,
+reading their counts on the host, so a captured graph cannot hold it yet: CUDA's fused path will.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..gpu.collective import Collective
+from .config import ModelConfig, MoEConfig
+from .linear import ExpertLinear, Groups, Linear
+from .mlp import GatedMLP
+from .names import MoENames
+from .routing import SigmoidGroupRouter, SoftmaxRouter
+from .weights import Reader, Shard
+
+
+class Experts:
+    """The routed experts on this rank: gate_up [experts, 2 * I / world, hidden] (each expert's gate rows,
+    then its up rows), down [experts, hidden, I / world]."""
+
+    def __init__(self, gate_up: ExpertLinear, down: ExpertLinear) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden]; weights, ids: [T, k] -> this rank's share of sum_j weights[t, j] * expert_ids[t, j](x[t])."""
+        t, k = ids.shape
+        picks = ids.reshape(-1)  # [T * k]
+        order = torch.argsort(picks, stable=True)  # picks grouped by expert, in token order within each
+        tokens = order // k  # [T * k]: the token of each sorted pick
+        groups = Groups(torch.bincount(picks, minlength=self.gate_up.weight.shape[0]).cumsum(0).to(torch.int32))
+        rows = x.index_select(0, tokens)  # [T * k, hidden]
+        gate, up = self.gate_up.grouped(rows, groups).chunk(2, dim=-1)
+        out = self.down.grouped(F.silu(gate) * up, groups)  # [T * k, hidden]
+        out = (out * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class MoE:
+    """A layer's MoE block: `router` picks, `experts` compute, `shared` (a gated MLP, or None) runs on every
+    token, scaled per token by sigmoid(`shared_gate`(x)) where the family has that gate."""
+
+    def __init__(self, router: SoftmaxRouter | SigmoidGroupRouter, experts: Experts, shared: GatedMLP | None,
+                 shared_gate: Linear | None, comm: Collective, eps: float) -> None:
+        self.router, self.experts, self.shared, self.shared_gate = router, experts, shared, shared_gate
+        self.comm, self.eps = comm, eps
+
+    @staticmethod
+    def tensors(moe: MoEConfig) -> int:
+        """How many tensors `load` reads (the experts' stacked matrices count one each)."""
+        return 4 + moe.correction_bias + (GatedMLP.tensors(False) if moe.shared_size else 0) + moe.shared_gate
+
+    @classmethod
+    def load(cls, read: Reader, prefix: str, names: MoENames, config: ModelConfig, shard: Shard,
+             comm: Collective) -> "MoE":
+        """`prefix` is the layer's ("model.layers.N."); `names` where the family keeps each tensor under it."""
+        moe, hidden = config.moe, config.hidden_size
+        inter, n = moe.intermediate_size, moe.experts
+
+        def stacked(proj: str, shape: tuple[int, int], dim: int) -> torch.Tensor:
+            each = [prefix + names.expert(e, proj) for e in range(n)]
+            return read.stacked(each, prefix + names.stacked(proj), shape, dim=dim, part=shard.column)
+
+        gate_up = torch.cat([stacked(names.gate, (inter, hidden), 0), stacked(names.up, (inter, hidden), 0)], dim=1)
+        experts = Experts(ExpertLinear(gate_up.contiguous()), ExpertLinear(stacked(names.down, (hidden, inter), 1)))
+        if moe.routing == "sigmoid":  # GLM keeps its router and correction bias in float32
+            gate = Linear(read.get(prefix + names.router + ".weight", (n, hidden), dtype=torch.float32))
+            bias = (read.get(prefix + names.correction, (n,), dtype=torch.float32) if moe.correction_bias
+                    else torch.zeros(n, device=read.device))
+            router = SigmoidGroupRouter(gate, bias, moe)
+        else:
+            router = SoftmaxRouter(Linear(read.get(prefix + names.router + ".weight", (n, hidden))), moe)
+        shared = shared_gate = None
+        if moe.shared_size:
+            shared = GatedMLP.load(read, prefix + names.shared, hidden, moe.shared_size, False, shard, comm, config.rms_eps)
+        if moe.shared_gate:
+            shared_gate = Linear(read.get(prefix + names.shared_gate + ".weight", (1, hidden)))
+        return cls(router, experts, shared, shared_gate, comm, config.rms_eps)
+
+    graph_safe = False  # off the CPU the grouped product reads each expert's row count on the host
+
+    def one_row_ready(self) -> bool:
+        return True  # the graphed step runs the block as it is, with no GEMV of its own
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [T, hidden] (normed) -> [T, hidden], summed across ranks."""
+        weights, ids = self.router(h)
+        out = self.experts(h, weights, ids)
+        if self.shared is not None:
+            shared = self.shared.partial(h)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(h)) * shared
+            out = out + shared
+        return self.comm.all_reduce(out)
+
+    __call__ = forward
+
+    def fast(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor,
+             one: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphed step's block: the residual add and norm fused, then `forward` as it is."""
+        from ..gpu import kernels
+
+        h, residual = kernels.add_rms_norm(x, residual, norm, self.eps)
+        return self.forward(h), residual

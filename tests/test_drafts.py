@@ -1,0 +1,150 @@
+"""Where drafts come from, and how long they are: prompt lookup, the suffix index, the draft model, and the
+load control that gives each lane its draft length.
+
+Rules: sources are driven with plain job records (a prompt, the tokens generated so far); the draft model's
+drafts are checked against transformers' own greedy continuation of the same context with the same tiny
+weights; exact assertions.
+"""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import trio
+
+import tiny
+from lanes.core.drafting import Drafting
+from lanes.drafts.model import DraftModel
+from lanes.drafts.ngram import NgramDrafter
+from lanes.drafts.suffix import SuffixDrafter
+from lanes.gpu.device import choose
+from lanes.loader import load_model
+
+
+@dataclass
+class Stream:
+    id: int
+    prompt: tuple[int, ...]
+    generated: list[int] = field(default_factory=list)
+    limit: int = 200
+    media: tuple = ()
+
+    @property
+    def max_new(self) -> int:
+        return self.limit - len(self.prompt)
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_repeated_ngram_latest():
+    drafter = NgramDrafter(longest=3, shortest=2)
+    job = Stream(1, (5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6))
+    assert drafter.propose(job, 3) == (7, 1, 2)  # "5 6" last came before "7 1 2" (not the earlier "7 8 9")
+    job.generated += [7, 1]  # "6 7 1" now ends the context: its 3-gram occurred once, followed by "2 5 6"
+    assert drafter.propose(job, 4) == (2, 5, 6, 7)
+    assert drafter.propose(Stream(2, (1, 2, 3, 4)), 4) == ()  # nothing repeats
+    drafter.forget(job)
+    assert 1 not in drafter._contexts
+
+
+def test_the_suffix_index_drafts_from_the_stream_and_from_finished_outputs_while_likely():
+    drafter = SuffixDrafter(depth=4, floor=0.3)
+    first = Stream(1, (3, 4))
+    first.generated += [10, 11, 12, 13, 14, 15]
+    assert drafter.propose(first, 5) == ()  # nothing seen yet follows "15"
+    drafter.forget(first)  # its output joins the server's index
+    second = Stream(2, (8, 10, 11))
+    assert drafter.propose(second, 3) == (12, 13, 14)  # "10 11" was followed by "12 13 14" in the first's output
+    third = Stream(3, (1, 2, 1, 3, 1, 2, 1, 3, 1))  # the longest runs at its end were followed one way only
+    assert drafter.propose(third, 6) == (2, 1, 3, 1, 2, 1)
+
+
+def test_a_suffix_draft_grows_while_its_likelihood_stays_above_the_floor():
+    context = (7, 1, 2, 9, 1, 3, 9, 1)  # "1" was followed by 2 once and by 3 once: a share of 0.5 each
+    assert SuffixDrafter(depth=1, floor=0.6).propose(Stream(1, context), 5) == ()
+    # 2 (0.5), then 9 (1.0 of "2"'s followers), 1 (1.0 of "9"'s), then "1" again: 0.25 falls below 0.4
+    assert SuffixDrafter(depth=1, floor=0.4).propose(Stream(1, context), 5) == (2, 9, 1)
+
+
+def test_the_server_index_keeps_its_budget_of_tokens_and_forgets_the_oldest_outputs_whole():
+    drafter = SuffixDrafter(depth=3, budget=10)
+    for i, output in enumerate([[20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35]]):
+        job = Stream(i, (1,))
+        job.generated += output
+        drafter.propose(job, 1)
+        drafter.forget(job)
+    assert drafter._kept_tokens == 6 and (20,) not in drafter._shared.followers  # the first went, entirely
+    assert dict(drafter._shared.followers[(30, 31)]) == {32: 1}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    reference = tiny.build("llama", folder, max_position_embeddings=512).eval()
+    return reference, load_model(folder, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
+
+
+def greedy_continuation(reference, context: tuple[int, ...], k: int) -> tuple[int, ...]:
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([context]), max_new_tokens=k, do_sample=False, min_new_tokens=k)
+    return tuple(out[0, len(context):].tolist())
+
+
+async def test_the_draft_model_drafts_its_greedy_continuation_and_rolls_back_by_writing_again(tiny_pair):
+    reference, model = tiny_pair
+    drafter = DraftModel(model)
+    job = Stream(1, tuple(range(5, 25)))
+    await drafter.prepare([job], {1: 4})
+    first = drafter.propose(job, 4)
+    assert first == greedy_continuation(reference, job.prompt, 4)
+    job.generated += [first[0], 99]  # the target kept the first draft token, then drew another
+    await drafter.prepare([job], {1: 3})
+    context = (*job.prompt, *job.generated)
+    assert drafter.propose(job, 3) == greedy_continuation(reference, context, 3)
+    assert drafter.propose(job, 1) == drafter.propose(job, 3)[:1]
+    drafter.check_integrity()
+    drafter.forget(job)
+    assert drafter.pool.free == drafter.pool.total
+
+
+class Source:
+    def propose(self, job, most):
+        return (1,) * most
+
+    def forget(self, job):
+        pass
+
+
+def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_drafts_fail():
+    jobs = [Stream(i, (1,)) for i in range(4)]
+    drafting = Drafting(Source(), most=6)
+    assert trio.run(lambda: drafting.begin(jobs)) is None and set(drafting.plan(jobs).values()) == {6}  # no cost yet
+    for rows, seconds in [(1, 0.100), (8, 0.1035), (64, 0.1315), (4, 0.1015)]:  # a row costs 0.5 ms over 99.5 ms
+        drafting.passed(rows, seconds)
+    assert drafting._per_row == pytest.approx(0.0005, rel=1e-6) and drafting._fixed == pytest.approx(0.0995, rel=1e-6)
+    cheap = drafting._choose(jobs)
+    assert set(cheap.values()) == {6}  # acceptance 0.6 a token: every draft token pays for its row
+    for _ in range(30):
+        drafting.observe(jobs[0], 6, 0)  # the first lane's drafts all fail: its rate decays to 0.6 x 0.8^30
+    assert drafting._choose(jobs)[0] == 0 and drafting._choose(jobs)[1] == 6
+    dear = Drafting(Source(), most=6)
+    for rows, seconds in [(1, 0.010), (8, 0.045), (64, 0.325)]:  # a row costs 5 ms over 5 ms fixed
+        dear.passed(rows, seconds)
+    crowd = [Stream(i, (1,)) for i in range(32)]
+    assert sum(dear._choose(crowd).values()) < sum(dear._choose(jobs).values()) // 4 + 8  # a big pass drafts little
+    assert set(dear._choose(crowd).values()) == {0}
+    drafting.ended(jobs[0])
+    assert drafting._choose(jobs)[0] == 6  # a new stream starts from the prior
+
+
+def test_load_control_that_drafts_nothing_still_probes_one_token_every_fourth_fresh_plan():
+    """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting."""
+    jobs = [Stream(i, (1,)) for i in range(3)]
+    drafting = Drafting(Source(), most=6)
+    for rows, seconds in [(1, 0.001), (4, 0.004), (16, 0.016)]:  # all per row, nothing fixed: no draft pays
+        drafting.passed(rows, seconds)
+    drafting.observe(jobs[1], 4, 4)  # lane 1's drafts were all kept: it is the one probed
+    plans = []
+    for _ in range(8):
+        trio.run(lambda: drafting.begin(jobs))
+        plans.append(dict(drafting.plan(jobs)))
+    assert [sum(p.values()) for p in plans] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert plans[3] == {0: 0, 1: 1, 2: 0}
