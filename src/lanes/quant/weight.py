@@ -151,6 +151,11 @@ def stack_rows(weights: Sequence[Weight]) -> Weight:
     if all(isinstance(w, QuantWeight) for w in weights) and len({w.format for w in weights}) == 1:
         packed = torch.cat([w.packed for w in weights])
         return QuantWeight(packed, weights[0].format, (packed.shape[0], weights[0].shape[1]), packed=True)
+    joined = getattr(type(weights[0]), "concatenated", None)  # another device's format weights join themselves
+    if joined is not None and all(type(w) is type(weights[0]) for w in weights):
+        stacked = joined(weights)
+        if stacked is not None:
+            return stacked
     if all(isinstance(w, DenseWeight) for w in weights) and len({w.tensor.dtype for w in weights}) == 1:
         return DenseWeight(torch.cat([w.tensor for w in weights]), weights[0].source)
     return StackedWeight(weights)
