@@ -195,7 +195,7 @@ def quantized_rows(results, kind, fmt, shape, n, k, rows, x, flops, weight_bytes
     else:
         config = mm_config(rows, n, k)
         sweep = [config] + ([] if dry else [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-                                                 for bm, bn, w, st in ((64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 128, 8, 4))])
+                                                 for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2))])
         timings = []
         for c in sweep:
             call = lambda i, c=c: quant_kernels.mm(x, weights[i].packed, fmt.kind, n, k, **c)

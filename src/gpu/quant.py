@@ -32,8 +32,9 @@ def gemv_config(m: int, n: int, k: int) -> dict:
 
 
 def mm_config(m: int, n: int, k: int) -> dict:
-    """Tiles for the tensor-core kernel: 16-row tiles for few rows, 64 x 64 past them."""
-    return dict(block_m=16 if m <= 16 else 32 if m <= 32 else 64, block_n=64)
+    """Tiles for the tensor-core kernel, 8 warps: 16 or 32 rows x 64 for few rows, else 64 x 64 (compiled for
+    sm_90, bench/quant_compile.py: of the tiles tried, those that spill no registers in all three formats)."""
+    return dict(block_m=16 if m <= 16 else 32 if m <= 32 else 64, block_n=64, num_warps=8, num_stages=3)
 
 
 class CudaQuantWeight:

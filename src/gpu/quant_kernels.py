@@ -38,9 +38,8 @@ def _f16(ptr, at, mask):
 
 
 @triton.jit
-def _q8_0(w_ptr, rows, nmask, row_bytes, K, k0, BLOCK_K: tl.constexpr):
+def _q8_0(w_ptr, rows, nmask, row_bytes, K, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Q8_0 planar: values k0..k0+BLOCK_K of each row: ([BLOCK_N, BLOCK_K] fp32, their columns [BLOCK_K])."""
-    BLOCK_N: tl.constexpr = rows.shape[0]
     cols = k0 + tl.arange(0, BLOCK_K)
     base = rows[:, None].to(tl.int64) * row_bytes
     mask = nmask[:, None] & (cols[None, :] < K)
@@ -64,9 +63,8 @@ def _scale_min(ptr, at, j, mask):
 
 
 @triton.jit
-def _q4_k(w_ptr, rows, nmask, row_bytes, sb):
+def _q4_k(w_ptr, rows, nmask, row_bytes, sb, BLOCK_N: tl.constexpr):
     """Super-block `sb` of each row: (low part, its columns, high part, its columns), parts [BLOCK_N, 128]."""
-    BLOCK_N: tl.constexpr = rows.shape[0]
     base = rows[:, None].to(tl.int64) * row_bytes + sb * 144
     d = _f16(w_ptr, base, nmask[:, None])
     dmin = _f16(w_ptr, base + 2, nmask[:, None])
@@ -84,9 +82,45 @@ def _q4_k(w_ptr, rows, nmask, row_bytes, sb):
 
 
 @triton.jit
+def _q4_k_chunk(w_ptr, rows, nmask, row_bytes, sb, c):
+    """Chunk `c` (0..3: 32 bytes, 64 values) of super-block `sb`: (low [BLOCK_N, 32], its columns, high, its
+    columns); one sub-block's scale each, so no reshape (the tensor-core kernel's small live tile)."""
+    base = rows[:, None].to(tl.int64) * row_bytes + sb * 144
+    d = _f16(w_ptr, base, nmask[:, None])
+    dmin = _f16(w_ptr, base + 2, nmask[:, None])
+    sc_lo, m_lo = _scale_min(w_ptr, base + 4, 2 * c, nmask[:, None])
+    sc_hi, m_hi = _scale_min(w_ptr, base + 4, 2 * c + 1, nmask[:, None])
+    lane = tl.arange(0, 32)
+    q = tl.load(w_ptr + base + 16 + 32 * c + lane[None, :], mask=nmask[:, None], other=0)
+    lo = (q & 15).to(tl.float32) * (d * sc_lo) - dmin * m_lo
+    hi = (q >> 4).to(tl.float32) * (d * sc_hi) - dmin * m_hi
+    cols = sb * 256 + 64 * c + lane
+    return lo, cols, hi, cols + 32
+
+
+@triton.jit
+def _q6_k_one(w_ptr, rows, nmask, row_bytes, sb, r):
+    """Part `r` (0..3, at run time) of super-block `sb`: ([BLOCK_N, 64], its columns)."""
+    base = rows[:, None].to(tl.int64) * row_bytes + sb * 210
+    pos = tl.arange(0, 64)
+    half, lane = pos // 32, pos % 32
+    ql = tl.load(w_ptr + base + (64 * half + lane + 32 * (r % 2))[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    qh = tl.load(w_ptr + base + 128 + (32 * half + lane)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    d = _f16(w_ptr, base + 208, nmask[:, None])
+    nib = tl.where(r >= 2, ql >> 4, ql & 15)
+    q = (nib | (((qh >> (2 * r)) & 3) << 4)).to(tl.float32) - 32.0
+    scale = tl.load(w_ptr + base + 192 + (8 * half + lane // 16 + 2 * r)[None, :], mask=nmask[:, None], other=0)
+    cols = sb * 256 + 128 * half + 32 * r + lane
+    return q * d * scale.to(tl.int8, bitcast=True).to(tl.float32), cols
+
+
+@triton.jit
 def _q6_k_part(ql, qh, d, w_ptr, base, nmask, pos, R: tl.constexpr):
     """Part R (0..3) of a Q6_K super-block: 6-bit value R of each of the 64 positions, times d * scale."""
-    nib = (ql >> 4) if R >= 2 else (ql & 15)
+    if R >= 2:
+        nib = ql >> 4
+    else:
+        nib = ql & 15
     q = (nib | (((qh >> (2 * R)) & 3) << 4)).to(tl.float32) - 32.0
     half, lane = pos // 32, pos % 32
     scale = tl.load(w_ptr + base + 192 + (8 * half + lane // 16 + 2 * R)[None, :], mask=nmask[:, None], other=0)
@@ -138,10 +172,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_os
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
         if FMT == 8:
-            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, 256)
+            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, BLOCK_N, 256)
             acc = _rows_times(acc, w, cols, x_ptr, M, K, stride_xm, BLOCK_M)
         elif FMT == 12:
-            lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step)
+            lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step, BLOCK_N)
             acc = _rows_times(acc, lo, c_lo, x_ptr, M, K, stride_xm, BLOCK_M)
             acc = _rows_times(acc, hi, c_hi, x_ptr, M, K, stride_xm, BLOCK_M)
         else:
@@ -172,20 +206,19 @@ def _mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rows < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(0, tl.cdiv(K, 256)):
-        if FMT == 8:
-            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, 256)
+    if FMT == 8:  # 64 values a step: a decoded tile small enough to stay in registers beside the accumulator
+        for step in range(0, tl.cdiv(K, 64)):
+            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 64, BLOCK_N, 64)
             acc = _dot(acc, w, cols, x_ptr, offs_m, M, K, stride_xm, IEEE)
-        elif FMT == 12:
-            lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step)
+    elif FMT == 12:  # one 32-byte chunk of a super-block a step
+        for step in range(0, K // 64):
+            lo, c_lo, hi, c_hi = _q4_k_chunk(w_ptr, rows, nmask, row_bytes, step // 4, step % 4)
             acc = _dot(acc, lo, c_lo, x_ptr, offs_m, M, K, stride_xm, IEEE)
             acc = _dot(acc, hi, c_hi, x_ptr, offs_m, M, K, stride_xm, IEEE)
-        else:
-            p0, c0, p1, c1, p2, c2, p3, c3 = _q6_k(w_ptr, rows, nmask, row_bytes, step)
-            acc = _dot(acc, p0, c0, x_ptr, offs_m, M, K, stride_xm, IEEE)
-            acc = _dot(acc, p1, c1, x_ptr, offs_m, M, K, stride_xm, IEEE)
-            acc = _dot(acc, p2, c2, x_ptr, offs_m, M, K, stride_xm, IEEE)
-            acc = _dot(acc, p3, c3, x_ptr, offs_m, M, K, stride_xm, IEEE)
+    else:  # one part of a super-block a step
+        for step in range(0, K // 64):
+            w, cols = _q6_k_one(w_ptr, rows, nmask, row_bytes, step // 4, step % 4)
+            acc = _dot(acc, w, cols, x_ptr, offs_m, M, K, stride_xm, IEEE)
     out = out_ptr + offs_m[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & nmask[None, :])
 
@@ -202,10 +235,10 @@ def _dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, BLOCK
     nmask = rows < N
     step = tl.program_id(1)
     if FMT == 8:
-        w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, 256)
+        w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, BLOCK_N, 256)
         _put(out_ptr, w, cols, rows, nmask, K)
     elif FMT == 12:
-        lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step)
+        lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step, BLOCK_N)
         _put(out_ptr, lo, c_lo, rows, nmask, K)
         _put(out_ptr, hi, c_hi, rows, nmask, K)
     else:
