@@ -181,8 +181,9 @@ def quantized_rows(results, kind, fmt, shape, n, k, rows, x, flops, weight_bytes
 
     weights = [CudaQuantWeight(raw_blocks(kind, n, k, device, i), fmt, (n, k)) for i in range(copies)]
     if rows <= 16:
-        default = gemv_config(rows, n, k)
-        sweep = [default] + ([] if dry else [dict(block_n=bn, split_k=s) for bn in (1, 2, 4, 8) for s in (1, 2, 4)])
+        default = gemv_config(rows, n, k, fmt.kind)
+        tiles = ((1, 4), (1, 8), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2)) if rows <= 4 else ((2, 1), (4, 1), (2, 2))
+        sweep = [default] + ([] if dry else [dict(block_n=bn, sb=sb, split_k=s) for bn, sb in tiles for s in (1, 2, 4)])
         timings = []
         for config in sweep:
             call = lambda i, c=config: quant_kernels.gemv(x, weights[i].packed, fmt.kind, n, k, **c)

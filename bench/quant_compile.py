@@ -23,7 +23,7 @@ from lanes.gpu import quant_kernels as qk
 
 TOOL = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 GEMV = dict(x_ptr="*bf16", w_ptr="*u8", out_ptr="*bf16", M="i32", N="i32", K="i32", row_bytes="i32", stride_xm="i32",
-            stride_os="i32", stride_om="i32", steps_per_split="i32", FMT="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr")
+            stride_os="i32", stride_om="i32", steps_per_split="i32", FMT="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr", SB="constexpr")
 MM = dict(x_ptr="*bf16", w_ptr="*u8", out_ptr="*bf16", M="i32", N="i32", K="i32", row_bytes="i32", stride_xm="i32",
           stride_om="i32", FMT="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr", IEEE="constexpr")
 DEQUANTIZE = dict(w_ptr="*u8", out_ptr="*bf16", N="i32", K="i32", row_bytes="i32", FMT="constexpr", BLOCK_N="constexpr")
@@ -46,8 +46,9 @@ def compiled(fn, signature: dict, constants: dict, **options) -> tuple[int, int,
 def main() -> None:
     rows = []
     for fmt, name in NAMES.items():
-        for m, bn in ((1, 1), (1, 2), (1, 4), (1, 8), (8, 2), (8, 4)):
-            rows.append((name, f"gemv m{m} n{bn} w4", compiled(qk._gemv_kernel, GEMV, dict(FMT=fmt, BLOCK_M=m, BLOCK_N=bn), num_warps=4)))
+        for m, bn, sb in ((1, 1, 4), (1, 2, 4), (1, 4, 1), (1, 4, 2), (1, 2, 8), (1, 1, 8), (4, 2, 2), (8, 2, 1), (8, 4, 1)):
+            rows.append((name, f"gemv m{m} n{bn} sb{sb} w4",
+                         compiled(qk._gemv_kernel, GEMV, dict(FMT=fmt, BLOCK_M=m, BLOCK_N=bn, SB=sb), num_warps=4)))
         for bm, bn, w, st in ((16, 64, 8, 3), (32, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2)):
             rows.append((name, f"mm m{bm} n{bn} w{w} s{st}",
                          compiled(qk._mm_kernel, MM, dict(FMT=fmt, BLOCK_M=bm, BLOCK_N=bn, IEEE=False), num_warps=w, num_stages=st)))

@@ -76,12 +76,12 @@ def quant_kernels_round(values: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_gemv_is_within_the_fp32_summation_bound(kind, rows, split_k):
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("block_n, sb, split_k", [(4, 1, 1), (4, 1, 2), (2, 4, 1), (1, 8, 2)])  # steps past the row's end
+def test_gemv_is_within_the_fp32_summation_bound(kind, rows, block_n, sb, split_k):
     w, reference = weight(kind, 37, seed=rows)
     x = torch.randn(rows, COLS[kind], generator=torch.Generator().manual_seed(rows))
-    out = quant_kernels.gemv(x.to(DEVICE), w.packed, int(kind), 37, COLS[kind], block_n=4, split_k=split_k)
+    out = quant_kernels.gemv(x.to(DEVICE), w.packed, int(kind), 37, COLS[kind], block_n=block_n, sb=sb, split_k=split_k)
     assert out.dtype == torch.float32 and out.shape == (rows, 37)
     within_summation_bound(out, x, reference)
 

@@ -23,12 +23,17 @@ GEMV_ROWS = 8  # up to this many rows of x the CUDA-core GEMV (weights read once
 PREFILL = "fused"  # past GEMV_ROWS: "fused" (tiles decoded in registers) or "dequantize" (then cuBLAS)
 
 
-def gemv_config(m: int, n: int, k: int) -> dict:
-    """Tiles for the GEMV: few weight rows a program so that programs are many (as gpu.gemv found for bf16),
-    K split when rows are few."""
-    block_n = 4 if n >= 2048 else 2
+def gemv_config(m: int, n: int, k: int, kind: int) -> dict:
+    """Tiles for the GEMV: one or two weight rows a program, several super-blocks a step (1-2 KB of weight
+    bytes in flight a program; Q4_K's decode takes the most registers, so it takes one row), K split only
+    when rows are too few to fill the GPU; two rows and one super-block past 4 rows of x. First guesses
+    (registers from bench/quant_compile.py), for bench/gpu_quant.py's sweep to confirm."""
+    if m > 4:
+        block_n, sb = 2, 1
+    else:
+        block_n, sb = (1, 8) if kind == kernels.Q4_K else (2, 4)
     programs = -(-n // block_n)
-    return dict(block_n=block_n, split_k=max(1, min(8, (4 * 132) // programs)))
+    return dict(block_n=block_n, sb=sb, split_k=max(1, min(8, (4 * 132) // programs)))
 
 
 def mm_config(m: int, n: int, k: int) -> dict:
@@ -74,7 +79,7 @@ class CudaQuantWeight:
         if m == 0:
             return x.new_empty(0, n)
         if m <= GEMV_ROWS:
-            return kernels.gemv(x, self.packed, self.format.kind, n, k, **gemv_config(m, n, k))
+            return kernels.gemv(x, self.packed, self.format.kind, n, k, **gemv_config(m, n, k, self.format.kind))
         if PREFILL == "dequantize":
             return x @ self.dequantize(x.dtype).T
         return kernels.mm(x, self.packed, self.format.kind, n, k, **mm_config(m, n, k))

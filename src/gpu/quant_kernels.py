@@ -25,8 +25,6 @@ import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 Q8_0, Q4_K, Q6_K = 8, 12, 14  # ggml's type numbers
-STEP = {Q8_0: 256, Q4_K: 256, Q6_K: 256}  # values of a row one loop step decodes
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
 
 
 @triton.jit
@@ -63,22 +61,26 @@ def _scale_min(ptr, at, j, mask):
 
 
 @triton.jit
-def _q4_k(w_ptr, rows, nmask, row_bytes, sb, BLOCK_N: tl.constexpr):
-    """Super-block `sb` of each row: (low part, its columns, high part, its columns), parts [BLOCK_N, 128]."""
-    base = rows[:, None].to(tl.int64) * row_bytes + sb * 144
-    d = _f16(w_ptr, base, nmask[:, None])
-    dmin = _f16(w_ptr, base + 2, nmask[:, None])
-    chunk = tl.arange(0, 4)[None, :]
-    sc_lo, m_lo = _scale_min(w_ptr, base + 4, 2 * chunk, nmask[:, None])
-    sc_hi, m_hi = _scale_min(w_ptr, base + 4, 2 * chunk + 1, nmask[:, None])
+def _q4_k(w_ptr, rows, nmask, row_bytes, sb0, NSB, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """Super-blocks sb0..sb0+SB of each row (those past NSB read as zeros): (low part, its columns, high
+    part, its columns), parts [BLOCK_N, SB * 128]: value 64c + l of a super-block is byte 32c + l's low
+    nibble, value 64c + 32 + l its high one."""
+    sbs = sb0 + tl.arange(0, SB)
+    smask = nmask[:, None] & (sbs[None, :] < NSB)  # [BLOCK_N, SB]
+    base = rows[:, None].to(tl.int64) * row_bytes + sbs[None, :] * 144
+    d = _f16(w_ptr, base, smask)
+    dmin = _f16(w_ptr, base + 2, smask)
+    chunk = tl.arange(0, 4)[None, None, :]
+    sc_lo, m_lo = _scale_min(w_ptr, base[:, :, None] + 4, 2 * chunk, smask[:, :, None])  # [BLOCK_N, SB, 4]
+    sc_hi, m_hi = _scale_min(w_ptr, base[:, :, None] + 4, 2 * chunk + 1, smask[:, :, None])
     b = tl.arange(0, 128)
-    q = tl.load(w_ptr + base + 16 + b[None, :], mask=nmask[:, None], other=0)
-    q_lo = tl.reshape((q & 15).to(tl.float32), (BLOCK_N, 4, 32))
-    q_hi = tl.reshape((q >> 4).to(tl.float32), (BLOCK_N, 4, 32))
-    lo = q_lo * (d * sc_lo)[:, :, None] - (dmin * m_lo)[:, :, None]
-    hi = q_hi * (d * sc_hi)[:, :, None] - (dmin * m_hi)[:, :, None]
-    cols = sb * 256 + (b // 32) * 64 + b % 32
-    return tl.reshape(lo, (BLOCK_N, 128)), cols, tl.reshape(hi, (BLOCK_N, 128)), cols + 32
+    q = tl.load(w_ptr + base[:, :, None] + 16 + b[None, None, :], mask=smask[:, :, None], other=0)
+    q_lo = tl.reshape((q & 15).to(tl.float32), (BLOCK_N, SB, 4, 32))
+    q_hi = tl.reshape((q >> 4).to(tl.float32), (BLOCK_N, SB, 4, 32))
+    lo = q_lo * (d[:, :, None] * sc_lo)[:, :, :, None] - (dmin[:, :, None] * m_lo)[:, :, :, None]
+    hi = q_hi * (d[:, :, None] * sc_hi)[:, :, :, None] - (dmin[:, :, None] * m_hi)[:, :, :, None]
+    cols = tl.reshape(sbs[:, None] * 256 + ((b // 32) * 64 + b % 32)[None, :], (SB * 128,))
+    return tl.reshape(lo, (BLOCK_N, SB * 128)), cols, tl.reshape(hi, (BLOCK_N, SB * 128)), cols + 32
 
 
 @triton.jit
@@ -99,56 +101,25 @@ def _q4_k_chunk(w_ptr, rows, nmask, row_bytes, sb, c):
 
 
 @triton.jit
-def _q6_k_one(w_ptr, rows, nmask, row_bytes, sb, r):
-    """Part `r` (0..3, at run time) of super-block `sb`: ([BLOCK_N, 64], its columns)."""
-    base = rows[:, None].to(tl.int64) * row_bytes + sb * 210
+def _q6_k(w_ptr, rows, nmask, row_bytes, sb0, NSB, r, BLOCK_N: tl.constexpr, SB: tl.constexpr):
+    """Part r (0..3, at run time) of super-blocks sb0..sb0+SB (past NSB zeros): ([BLOCK_N, SB * 64], its
+    columns). Position p = 32 * half + lane of a super-block holds value 128 * half + 32 * r + lane: the low
+    (r < 2) or high nibble of ql[64 * half + lane + 32 * (r % 2)], and bits 2r of qh[32 * half + lane]."""
+    sbs = sb0 + tl.arange(0, SB)
+    smask = nmask[:, None] & (sbs[None, :] < NSB)
+    base = (rows[:, None].to(tl.int64) * row_bytes + sbs[None, :] * 210)[:, :, None]  # [BLOCK_N, SB, 1]
+    m3 = smask[:, :, None]
     pos = tl.arange(0, 64)
     half, lane = pos // 32, pos % 32
-    ql = tl.load(w_ptr + base + (64 * half + lane + 32 * (r % 2))[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    qh = tl.load(w_ptr + base + 128 + (32 * half + lane)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    d = _f16(w_ptr, base + 208, nmask[:, None])
+    ql = tl.load(w_ptr + base + (64 * half + lane + 32 * (r % 2))[None, None, :], mask=m3, other=0).to(tl.int32)
+    qh = tl.load(w_ptr + base + 128 + (32 * half + lane)[None, None, :], mask=m3, other=0).to(tl.int32)
+    d = _f16(w_ptr, base + 208, m3)
     nib = tl.where(r >= 2, ql >> 4, ql & 15)
     q = (nib | (((qh >> (2 * r)) & 3) << 4)).to(tl.float32) - 32.0
-    scale = tl.load(w_ptr + base + 192 + (8 * half + lane // 16 + 2 * r)[None, :], mask=nmask[:, None], other=0)
-    cols = sb * 256 + 128 * half + 32 * r + lane
-    return q * d * scale.to(tl.int8, bitcast=True).to(tl.float32), cols
-
-
-@triton.jit
-def _q6_k_part(ql, qh, d, w_ptr, base, nmask, pos, R: tl.constexpr):
-    """Part R (0..3) of a Q6_K super-block: 6-bit value R of each of the 64 positions, times d * scale."""
-    if R >= 2:
-        nib = ql >> 4
-    else:
-        nib = ql & 15
-    q = (nib | (((qh >> (2 * R)) & 3) << 4)).to(tl.float32) - 32.0
-    half, lane = pos // 32, pos % 32
-    scale = tl.load(w_ptr + base + 192 + (8 * half + lane // 16 + 2 * R)[None, :], mask=nmask[:, None], other=0)
-    return q * d * scale.to(tl.int8, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _q6_k_bytes(w_ptr, rows, nmask, row_bytes, sb, R: tl.constexpr):
-    """Super-block `sb`'s ql bytes for part R (R and R + 2 share them), its qh bytes, d, byte offsets, positions."""
-    base = rows[:, None].to(tl.int64) * row_bytes + sb * 210
-    pos = tl.arange(0, 64)
-    half, lane = pos // 32, pos % 32
-    ql = tl.load(w_ptr + base + (64 * half + lane + 32 * (R % 2))[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    qh = tl.load(w_ptr + base + 128 + (32 * half + lane)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    d = _f16(w_ptr, base + 208, nmask[:, None])
-    return ql, qh, d, base, pos
-
-
-@triton.jit
-def _q6_k(w_ptr, rows, nmask, row_bytes, sb):
-    """Super-block `sb` as four parts [BLOCK_N, 64] and their columns: value 128 * half + 32 * R + lane."""
-    ql0, qh, d, base, pos = _q6_k_bytes(w_ptr, rows, nmask, row_bytes, sb, 0)
-    ql1, qh, d, base, pos = _q6_k_bytes(w_ptr, rows, nmask, row_bytes, sb, 1)
-    cols = sb * 256 + 128 * (pos // 32) + pos % 32
-    return (_q6_k_part(ql0, qh, d, w_ptr, base, nmask, pos, 0), cols,
-            _q6_k_part(ql1, qh, d, w_ptr, base, nmask, pos, 1), cols + 32,
-            _q6_k_part(ql0, qh, d, w_ptr, base, nmask, pos, 2), cols + 64,
-            _q6_k_part(ql1, qh, d, w_ptr, base, nmask, pos, 3), cols + 96)
+    scale = tl.load(w_ptr + base + 192 + (8 * half + lane // 16 + 2 * r)[None, None, :], mask=m3, other=0)
+    w = q * d * scale.to(tl.int8, bitcast=True).to(tl.float32)
+    cols = tl.reshape(sbs[:, None] * 256 + (128 * half + 32 * r + lane)[None, :], (SB * 64,))
+    return tl.reshape(w, (BLOCK_N, SB * 64)), cols
 
 
 @triton.jit
@@ -163,27 +134,26 @@ def _rows_times(acc, w, cols, x_ptr, M, K, stride_xm, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_os, stride_om, steps_per_split,
-                 FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rows < N
     split = tl.program_id(1)
     first = split * steps_per_split
-    last = tl.minimum(first + steps_per_split, tl.cdiv(K, 256))
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, 256 * SB))
+    nsb = tl.cdiv(K, 256)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
         if FMT == 8:
-            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, BLOCK_N, 256)
+            w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256 * SB, BLOCK_N, 256 * SB)
             acc = _rows_times(acc, w, cols, x_ptr, M, K, stride_xm, BLOCK_M)
         elif FMT == 12:
-            lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step, BLOCK_N)
+            lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step * SB, nsb, BLOCK_N, SB)
             acc = _rows_times(acc, lo, c_lo, x_ptr, M, K, stride_xm, BLOCK_M)
             acc = _rows_times(acc, hi, c_hi, x_ptr, M, K, stride_xm, BLOCK_M)
         else:
-            p0, c0, p1, c1, p2, c2, p3, c3 = _q6_k(w_ptr, rows, nmask, row_bytes, step)
-            acc = _rows_times(acc, p0, c0, x_ptr, M, K, stride_xm, BLOCK_M)
-            acc = _rows_times(acc, p1, c1, x_ptr, M, K, stride_xm, BLOCK_M)
-            acc = _rows_times(acc, p2, c2, x_ptr, M, K, stride_xm, BLOCK_M)
-            acc = _rows_times(acc, p3, c3, x_ptr, M, K, stride_xm, BLOCK_M)
+            for r in tl.static_range(4):
+                w, cols = _q6_k(w_ptr, rows, nmask, row_bytes, step * SB, nsb, r, BLOCK_N, SB)
+                acc = _rows_times(acc, w, cols, x_ptr, M, K, stride_xm, BLOCK_M)
     which = tl.arange(0, BLOCK_M)[:, None]
     out = out_ptr + split * stride_os + which * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(which < M) & nmask[None, :])
@@ -217,7 +187,7 @@ def _mm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om,
             acc = _dot(acc, hi, c_hi, x_ptr, offs_m, M, K, stride_xm, IEEE)
     else:  # one part of a super-block a step
         for step in range(0, K // 64):
-            w, cols = _q6_k_one(w_ptr, rows, nmask, row_bytes, step // 4, step % 4)
+            w, cols = _q6_k(w_ptr, rows, nmask, row_bytes, step // 4, K // 256, step % 4, BLOCK_N, 1)
             acc = _dot(acc, w, cols, x_ptr, offs_m, M, K, stride_xm, IEEE)
     out = out_ptr + offs_m[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & nmask[None, :])
@@ -238,23 +208,22 @@ def _dequantize_kernel(w_ptr, out_ptr, N, K, row_bytes, FMT: tl.constexpr, BLOCK
         w, cols = _q8_0(w_ptr, rows, nmask, row_bytes, K, step * 256, BLOCK_N, 256)
         _put(out_ptr, w, cols, rows, nmask, K)
     elif FMT == 12:
-        lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step, BLOCK_N)
+        lo, c_lo, hi, c_hi = _q4_k(w_ptr, rows, nmask, row_bytes, step, K // 256, BLOCK_N, 1)
         _put(out_ptr, lo, c_lo, rows, nmask, K)
         _put(out_ptr, hi, c_hi, rows, nmask, K)
     else:
-        p0, c0, p1, c1, p2, c2, p3, c3 = _q6_k(w_ptr, rows, nmask, row_bytes, step)
-        _put(out_ptr, p0, c0, rows, nmask, K)
-        _put(out_ptr, p1, c1, rows, nmask, K)
-        _put(out_ptr, p2, c2, rows, nmask, K)
-        _put(out_ptr, p3, c3, rows, nmask, K)
+        for r in tl.static_range(4):
+            w, cols = _q6_k(w_ptr, rows, nmask, row_bytes, step, K // 256, r, BLOCK_N, 1)
+            _put(out_ptr, w, cols, rows, nmask, K)
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, k: int, *, block_n: int = 4,
+def gemv(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, k: int, *, block_n: int = 4, sb: int = 1,
          split_k: int = 1, num_warps: int = 4) -> torch.Tensor:
-    """x [M, k] (M up to 16) @ W^T -> [M, n] in x's dtype, W's bytes `packed` [n, row bytes] uint8."""
+    """x [M, k] (M up to 16) @ W^T -> [M, n] in x's dtype, W's bytes `packed` [n, row bytes] uint8; a program
+    decodes `sb` super-blocks (Q8_0: 256 * sb values) of `block_n` rows a step."""
     m = x.shape[0]
     block_m = triton.next_power_of_2(m)
-    steps = triton.cdiv(k, 256)
+    steps = triton.cdiv(k, 256 * sb)
     split_k = max(1, min(split_k, steps))
     per_split = triton.cdiv(steps, split_k)
     split_k = triton.cdiv(steps, per_split)  # no empty splits
@@ -262,7 +231,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, kind: int, n: int, k: int, *, bl
                       dtype=torch.float32 if split_k > 1 else x.dtype)
     grid = (triton.cdiv(n, block_n), split_k)
     _gemv_kernel[grid](x, packed, out, m, n, k, packed.stride(0), x.stride(0), out.stride(0), out.stride(1),
-                       per_split, FMT=kind, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+                       per_split, FMT=kind, BLOCK_M=block_m, BLOCK_N=block_n, SB=sb, num_warps=num_warps)
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
