@@ -7,11 +7,12 @@ gguf package's arithmetic (fp32: d * sc * q - dmin * m for Q4_K) and never write
 `dequantize`, which writes bf16/fp32 rows (embedding lookups, checks).
 
 A tile is one or more *parts*: weights [BLOCK_N, P] whose columns map to value indices of the row (Q8_0:
-one part of BLOCK_K consecutive values; Q4_K: low and high nibbles of 128 bytes, values 64c + l and
+consecutive values; Q4_K: the low and the high nibbles of a super-block's 128 bytes, values 64c + l and
 64c + 32 + l; Q6_K: four parts of 64 positions). Kernels load the x columns that match each part.
-- `gemv`: few rows of x (decode), products summed on the CUDA cores, fp32 throughout; K may be split over
-  programs (fp32 partials summed after).
-- `mm`: many rows (prefill), the decoded tile cast to x's dtype and multiplied on the tensor cores.
+- `gemv`: few rows of x (decode), products summed on the CUDA cores, fp32 throughout; `sb` super-blocks
+  a step (bytes in flight), K optionally split over programs (fp32 partials summed after).
+- `mm`: many rows (prefill), 64 values a step decoded, cast to x's dtype and multiplied on the tensor
+  cores (a small live tile: no register spills at 8 warps, bench/quant_compile.py).
 Imported only where Triton is (tests run them on the CPU under TRITON_INTERPRET=1).
 """
 
