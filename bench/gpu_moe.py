@@ -10,7 +10,7 @@ step in CUDA graphs when the MoE block is graph-safe: torch's fused grouped prod
 transformers' generate() on a static batch (its experts implementation as it chooses, or as asked). The
 floor: the weight bytes a decode step must read (everything but the experts, plus the experts that n
 streams' tokens pick, expected over uniform routing) over the copy bandwidth measured here. Prints one
-table. --layers shrinks the model; --dry runs a tiny config on the CPU (a check of the script).
+table, and where the step is captured, one decode step's graph replay and whole pass beside its floor. --layers shrinks the model; --dry runs a tiny config on the CPU (a check of the script).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import trio
 
-from gpu import run_engine, say  # bench/gpu.py: the engine's streams through the lane core
+from gpu import run_engine, say, step_times  # bench/gpu.py: streams through the lane core, one step's times
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
              intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
@@ -183,6 +183,7 @@ def main() -> None:
     counts = [int(n) for n in args.streams.split(",")]
     most, context = max(counts), args.prompt + args.new
     rows: list[tuple[str, int, float, float]] = []
+    steps: list[tuple[int, float, float]] = []  # (lanes, graph replay s, whole pass s)
 
     def measure(name: str, n: int, run) -> None:
         say(f"{name}, {n} streams ...")
@@ -222,6 +223,12 @@ def main() -> None:
             trio.run(run_engine, backend, model, prompts[:2], 4)  # warm-up
             for n in counts:
                 measure(name, n, lambda: trio.run(run_engine, backend, model, prompts[:n], args.new))
+            if graphs and graph_safe:
+                for n in counts:
+                    try:
+                        steps.append((n, *step_times(backend, n, args.prompt + args.new // 2)))
+                    except Exception as error:
+                        say(f"one decode step at {n} failed: {type(error).__name__}: {error}")
             del backend
     bandwidth = copy_bandwidth(device)
     _, active = step_bytes(config, 1)
@@ -238,6 +245,10 @@ def main() -> None:
         print(f"{name:<22} {n:>7} {rate:>9.0f} {ttft * 1e3:>8.1f} {gen:>12} {rate / floors[n]:>8.2f}")
     for n in counts:
         print(f"{'floor':<22} {n:>7} {floors[n]:>9.0f}")
+    if steps:
+        print(f"\n{'one decode step':<22} {'lanes':>7} {'graph ms':>9} {'pass ms':>8} {'floor ms':>9}")
+        for n, replay, whole in steps:
+            print(f"{'':<22} {n:>7} {replay * 1e3:>9.3f} {whole * 1e3:>8.3f} {step_bytes(config, n)[0] / bandwidth * 1e3:>9.3f}")
 
 
 if __name__ == "__main__":
