@@ -108,3 +108,11 @@ def test_groups_read_their_counts_on_the_host_once():
     groups = Groups(torch.tensor([0, 3, 3, 7], dtype=torch.int32))
     assert groups.counts() == [0, 3, 0, 4]
     assert groups.counts() is groups.counts()
+
+
+@pytest.mark.parametrize("picks, experts", [([0, 0, 2, 2, 2, 5, 7], 9), ([3], 4), ([], 4), ([1, 1, 1], 2)])
+def test_groups_of_sorted_picks_end_where_a_count_says(picks, experts):
+    sorted_picks = torch.tensor(picks, dtype=torch.int64)
+    groups = Groups.of_sorted(sorted_picks, experts)
+    expected = torch.bincount(sorted_picks, minlength=experts).cumsum(0).to(torch.int32)
+    assert groups.ends.dtype == torch.int32 and torch.equal(groups.ends, expected)

@@ -171,6 +171,7 @@ def write_moe(config, folder: Path, path: Path, matrix_type: gguf.GGMLQuantizati
 
 K_LAYOUT = {  # bytes a 256-value block, and where its f16 scales lie with their size relative to `scale`
     gguf.GGMLQuantizationType.Q4_K: (144, {0: 1.0, 2: 7.5}),  # d, then dmin (7.5 d centres d*sc*q - dmin*m)
+    gguf.GGMLQuantizationType.Q5_K: (176, {0: 1.0, 2: 15.5}),  # as Q4_K, with q up to 31
     gguf.GGMLQuantizationType.Q6_K: (210, {208: 1.0}),  # d, after ql, qh and the int8 scales
 }
 

@@ -170,11 +170,11 @@ class DecodeGraphs:
 
     def capture(self, quiet: bool = False) -> None:
         """Capture every bucket's graph (largest first, sharing one memory pool), with a progress line. A
-        decoder with a part a graph cannot hold (`graph_safe`: MoE's grouped experts) stays uncaptured."""
+        decoder with a part a graph cannot hold (`graph_safe`: MoE's experts without a fused grouped product) stays uncaptured."""
         if not self.decoder.graph_safe:
             if not quiet:
                 print("lanes: decode graphs not captured: the MoE layers' grouped experts read their row counts on "
-                      "the host; the fast step runs uncaptured", file=sys.stderr)
+                      "the host (no fused grouped product for this GPU and dtype); the fast step runs uncaptured", file=sys.stderr)
             return
         from .kernels import arrival_scope  # Triton's: a CPU install has none, and never captures
 

@@ -9,6 +9,8 @@ kernel says so in `one_row_ready`, and the graphed step then runs the general pr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -82,13 +84,37 @@ class Groups:
         self.ends = ends
         self._counts: list[int] | None = None
 
+    @classmethod
+    def of_sorted(cls, picks: torch.Tensor, experts: int) -> "Groups":
+        """From the expert of each row, sorted [R] int64: a search, not a count (CUDA's bincount reads a
+        maximum on the host, which a captured graph cannot hold)."""
+        bounds = torch.arange(experts, device=picks.device, dtype=picks.dtype)
+        return cls(torch.searchsorted(picks, bounds, right=True).to(torch.int32))
+
     def counts(self) -> list[int]:
         if self._counts is None:
             self._counts = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()  # a host read
         return self._counts
 
 
-_GROUPED_MM = getattr(F, "grouped_mm", None)  # torch's grouped product (2.10 on); 10-30% faster than a loop on 2 CPU cores
+# torch's grouped product: F.grouped_mm (2.10 on) or the operator behind it (2.8 on); 10-30% faster than a
+# loop on 2 CPU cores, and on CUDA one kernel with the row counts read on the device
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def fused_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped product is one kernel here with no host read: the CPU (any float dtype), or CUDA
+    in bf16 on Hopper or Blackwell (CUTLASS's grouped GEMM; other GPUs take a fallback that loops)."""
+    if _GROUPED_MM is None:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and _major(device.index) in (9, 10)
+
+
+@functools.cache
+def _major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 class ExpertLinear:
@@ -103,9 +129,9 @@ class ExpertLinear:
 
     def grouped(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         """x: [R, in], its rows sorted by expert as `groups` says -> [R, out], each row through its own
-        expert's matrix. On the CPU one grouped product (no host read); elsewhere one product an expert
-        with rows (the CUDA kernel for this is the GPU path's)."""
-        if _GROUPED_MM is not None and x.device.type == "cpu" and self._aligned(x):
+        expert's matrix. Where `fused_on` says so, one grouped product (no host read); elsewhere one product
+        an expert with rows, their counts read on the host."""
+        if self.fused(x):
             return _GROUPED_MM(x, self.weight.transpose(-2, -1), offs=groups.ends)
         out = x.new_empty(x.shape[0], self.out_features)
         start = 0
@@ -114,6 +140,15 @@ class ExpertLinear:
                 torch.mm(x[start : start + count], self.weight[expert].t(), out=out[start : start + count])
                 start += count
         return out
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether `grouped(x, ...)` is the one grouped product."""
+        return x.dtype == self.weight.dtype and self.graph_safe() and self._aligned(x)
+
+    def graph_safe(self) -> bool:
+        """Whether products with this weight (in its dtype) read nothing on the host, so a graph may hold them."""
+        w = self.weight
+        return fused_on(w.device, w.dtype) and w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0
 
     def _aligned(self, x: torch.Tensor) -> bool:
         """grouped_mm needs rows of x and of the output on 16-byte strides."""

@@ -4,8 +4,9 @@ The experts run grouped: every (token, choice) pair is sorted by expert, each ex
 its matrices together (`ExpertLinear.grouped`), and the outputs are scattered back onto their tokens
 with their routing weights; no Python loop visits tokens. Each rank holds a slice of every expert's
 intermediate dimension (as a dense MLP is split), so the routed and the shared outputs are partial sums,
-added and then summed across ranks once. Off the CPU the grouped product loops over experts with rows,
-reading their counts on the host, so a captured graph cannot hold it yet: CUDA's fused path will.
+added and then summed across ranks once. Where torch's grouped product is one kernel (the CPU, and bf16
+on Hopper: `linear.fused_on`) nothing is read on the host, so a CUDA graph may capture the block; elsewhere
+the product loops over experts with rows, reading their counts on the host.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ class Experts:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden]; weights, ids: [T, k] -> this rank's share of sum_j weights[t, j] * expert_ids[t, j](x[t])."""
         t, k = ids.shape
+        ids, choice = ids.sort(dim=1)  # each token's experts ascending: its sum below runs in expert order, as the reference's
+        weights = weights.gather(1, choice)
         picks = ids.reshape(-1)  # [T * k]
         order = torch.argsort(picks, stable=True)  # picks grouped by expert, in token order within each
         tokens = order // k  # [T * k]: the token of each sorted pick
-        groups = Groups(torch.bincount(picks, minlength=self.gate_up.weight.shape[0]).cumsum(0).to(torch.int32))
+        groups = Groups.of_sorted(picks.index_select(0, order), self.gate_up.weight.shape[0])
         rows = x.index_select(0, tokens)  # [T * k, hidden]
         gate, up = self.gate_up.grouped(rows, groups).chunk(2, dim=-1)
         out = self.down.grouped(F.silu(gate) * up, groups)  # [T * k, hidden]
         out = (out * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        picked = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back in (token, choice) order
+        return picked.sum(dim=1, dtype=torch.float32).to(x.dtype)  # no atomics: the same sum every run
 
 
 class MoE:
@@ -84,7 +88,10 @@ class MoE:
             shared_gate = Linear(read.get(prefix + names.shared_gate + ".weight", (1, hidden)))
         return cls(router, experts, shared, shared_gate, comm, config.rms_eps)
 
-    graph_safe = False  # off the CPU the grouped product reads each expert's row count on the host
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph may hold the block: the experts' products read nothing on the host."""
+        return self.experts.gate_up.graph_safe() and self.experts.down.graph_safe()
 
     def one_row_ready(self) -> bool:
         return True  # the graphed step runs the block as it is, with no GEMV of its own

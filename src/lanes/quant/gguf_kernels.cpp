@@ -1,0 +1,211 @@
+// Matmuls over GGUF block formats read in place (AVX-512), registered as torch ops `lanes_quant::*`.
+//
+// Values are decoded (gguf_formats.h) exactly as the gguf package dequantizes them, so a result differs
+// from x @ dequantize(w).T only by the order of fp32 additions. Rows of a weight are its output features;
+// a row is whole blocks of its format.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <algorithm>
+
+#include "gguf_formats.h"
+
+namespace {
+
+using namespace lanes_quant;
+
+constexpr int64_t kChunk = 64;  // groups whose scales are converted at once: a multiple of 8 (K-quant super-blocks)
+constexpr int kRowTile = 4;  // weight rows decoded together: four independent accumulator chains at one x row
+constexpr int kXTile = 4;    // x rows sharing a decoded group: 16 accumulators, 8 decoded vectors, 2 x vectors
+
+// out[t0 .. t0+TR, n0 .. n0+NR) of x [T, K] @ w.T; rows past N repeat the last one and are not stored.
+template <class Q, int TR, int NR = kRowTile>
+inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int64_t K, const float* x,
+                 int64_t t0, float* out) {
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = w + std::min(n0 + r, N - 1) * row_bytes;
+  alignas(64) float scale[NR][kChunk * Q::kScales];
+  alignas(64) float offset[NR][kChunk];
+  __m512 acc[NR][TR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t groups = K / 32;
+  for (int64_t c0 = 0; c0 < groups; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, groups - c0);
+    for (int r = 0; r < NR; ++r) Q::scales(rows[r], groups, c0, count, scale[r], offset[r]);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t g = c0 + i;
+      __m512 w0[NR], w1[NR];
+      for (int r = 0; r < NR; ++r) Q::group(rows[r], g, scale[r] + i * Q::kScales, offset[r] + i, w0[r], w1[r]);
+      for (int t = 0; t < TR; ++t) {
+        const float* xp = x + (t0 + t) * K + g * 32;
+        const __m512 x0 = _mm512_loadu_ps(xp), x1 = _mm512_loadu_ps(xp + 16);
+        for (int r = 0; r < NR; ++r) {
+          acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+          acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r)
+      if (n0 + r < N) out[(t0 + t) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+template <class Q>
+void mm_tiles(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t T, float* out) {
+  if (T == 1) {  // one x row: eight weight rows a tile give eight independent fma chains (sixteen spill)
+    at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) tile<Q, 1, 8>(w, row_bytes, i * 8, N, K, x, 0, out);
+    });
+    return;
+  }
+  const int64_t tiles = (N + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t n0 = i * kRowTile;
+      int64_t t0 = 0;
+      for (; t0 + kXTile <= T; t0 += kXTile) tile<Q, kXTile>(w, row_bytes, n0, N, K, x, t0, out);
+      switch (T - t0) {
+        case 1: tile<Q, 1>(w, row_bytes, n0, N, K, x, t0, out); break;
+        case 2: tile<Q, 2>(w, row_bytes, n0, N, K, x, t0, out); break;
+        case 3: tile<Q, 3>(w, row_bytes, n0, N, K, x, t0, out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// One row of K values decoded into out (fp32).
+template <class Q>
+inline void decode_row(const uint8_t* row, int64_t K, float* out) {
+  alignas(64) float scale[kChunk * Q::kScales];
+  alignas(64) float offset[kChunk];
+  const int64_t groups = K / 32;
+  for (int64_t c0 = 0; c0 < groups; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, groups - c0);
+    Q::scales(row, groups, c0, count, scale, offset);
+    for (int64_t i = 0; i < count; ++i) {
+      __m512 w0, w1;
+      Q::group(row, c0 + i, scale + i * Q::kScales, offset + i, w0, w1);
+      _mm512_storeu_ps(out + (c0 + i) * 32, w0);
+      _mm512_storeu_ps(out + (c0 + i) * 32 + 16, w1);
+    }
+  }
+}
+
+// Rows `ids` of w decoded into dst [len(ids), K] fp32.
+template <class Q>
+void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* ids, int64_t count, float* dst) {
+  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) decode_row<Q>(w + ids[i] * row_bytes, K, dst + i * K);
+  });
+}
+
+// Rows [first, first + count) decoded into dst [count, K] fp32 (called inside a parallel region).
+template <class Q>
+void decode_range(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t first, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) decode_row<Q>(w + (first + i) * row_bytes, K, dst + i * K);
+}
+
+// ggml's type numbers.
+enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+template <class F>
+void dispatch(int64_t kind, F&& f) {
+  switch (kind) {
+    case kQ8_0: f(Q8_0{}); break;
+    case kQ4_0: f(Q4_0{}); break;
+    case kQ4_1: f(Q4_1{}); break;
+    case kQ4_K: f(Q4_K{}); break;
+    case kQ5_K: f(Q5_K{}); break;
+    case kQ6_K: f(Q6_K{}); break;
+    default: TORCH_CHECK(false, "lanes_quant: GGUF type ", kind, " has no kernel");
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t kind, int64_t n, int64_t k) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(0) == n,
+              "lanes_quant: w must be contiguous uint8 [n, row bytes]");
+  TORCH_CHECK(k % 32 == 0 && k > 0, "lanes_quant: k must be a positive multiple of 32");
+  dispatch(kind, [&](auto q) {
+    using Q = decltype(q);
+    TORCH_CHECK(k % Q::kValues == 0 && w.size(1) == k / Q::kValues * Q::kBytes,
+                "lanes_quant: w's row bytes do not match k for GGUF type ", kind);
+  });
+}
+
+// x [T, k] fp32 @ w.T -> [T, n] fp32, every weight group decoded in registers (the few-rows path).
+at::Tensor mm_tiles_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k) {
+  check_weight(w, kind, n, k);
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == k, "lanes_quant: x must be fp32 [T, k]");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return out;
+  dispatch(kind, [&](auto q) {
+    mm_tiles<decltype(q)>(w.data_ptr<uint8_t>(), w.size(1), n, k, xc.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+  });
+  return out;
+}
+
+// x [T, k] fp32 @ w.T -> [T, n] fp32 panel by panel (the many-rows path): each thread decodes its panels of
+// at most `panel` rows to fp32 in its own scratch and multiplies by them with a one-thread BLAS call, so
+// decoding and multiplying overlap across threads instead of taking turns.
+at::Tensor mm_panels_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k, int64_t panel) {
+  check_weight(w, kind, n, k);
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == k, "lanes_quant: x must be fp32 [T, k]");
+  TORCH_CHECK(panel > 0, "lanes_quant: panel must be positive");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  // at least two panels a thread, so that the last one to finish waits for little
+  const int64_t per = (n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  const int64_t rows = std::min(panel, std::max<int64_t>(16, (per + 15) / 16 * 16));
+  const int64_t panels = (n + rows - 1) / rows;
+  const at::ThreadLocalState state;  // OpenMP threads do not inherit inference mode; the BLAS call needs it
+  dispatch(kind, [&](auto q) {
+    using Q = decltype(q);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard guard(state);
+      at::Tensor scratch = at::empty({rows, k}, x.options());
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t first = p * rows, count = std::min(rows, n - first);
+        at::Tensor decoded = scratch.narrow(0, 0, count);
+        decode_range<Q>(w.data_ptr<uint8_t>(), w.size(1), k, first, count, decoded.data_ptr<float>());
+        at::Tensor part = out.narrow(1, first, count);
+        at::mm_out(part, xc, decoded.t());
+      }
+    });
+  });
+  return out;
+}
+
+// Rows `ids` [R] int64 of w, dequantized: [R, k] fp32 (an embedding lookup, or the whole tensor for checks).
+at::Tensor take_rows_op(const at::Tensor& w, const at::Tensor& ids, int64_t kind, int64_t n, int64_t k) {
+  check_weight(w, kind, n, k);
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "lanes_quant: ids must be int64 [R]");
+  const at::Tensor idc = ids.contiguous();
+  if (idc.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(idc);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < n, "lanes_quant: a row id is out of range");
+  }
+  at::Tensor out = at::empty({idc.size(0), k}, w.options().dtype(at::kFloat));
+  dispatch(kind, [&](auto q) {
+    decode_rows<decltype(q)>(w.data_ptr<uint8_t>(), w.size(1), k, idc.data_ptr<int64_t>(), idc.size(0), out.data_ptr<float>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lanes_quant, m) {
+  m.def("mm_tiles(Tensor x, Tensor w, int kind, int n, int k) -> Tensor");
+  m.def("mm_panels(Tensor x, Tensor w, int kind, int n, int k, int panel) -> Tensor");
+  m.def("take_rows(Tensor w, Tensor ids, int kind, int n, int k) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lanes_quant, CPU, m) {
+  m.impl("mm_tiles", &mm_tiles_op);
+  m.impl("mm_panels", &mm_panels_op);
+  m.impl("take_rows", &take_rows_op);
+}

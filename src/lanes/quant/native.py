@@ -1,0 +1,85 @@
+"""The C++ kernels (gguf_kernels.cpp): compiled on first use with the machine's C++ compiler, cached under
+`$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
+torch.compile can trace through them)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
+HEADERS = [Path(__file__).with_name("gguf_formats.h")]
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+
+
+class KernelsUnavailable(RuntimeError):
+    """The quantized kernels cannot run here; the message says why in one line."""
+
+
+def kernels():
+    """`torch.ops.lanes_quant`, built the first time; raises KernelsUnavailable when it cannot be (the
+    first failure is kept: no second build is tried in this process)."""
+    ops, reason = _load()
+    if ops is None:
+        raise KernelsUnavailable(reason)
+    return ops
+
+
+@functools.cache
+def _load():
+    """(the ops, None) or (None, why not), once a process."""
+    try:
+        return _build(), None
+    except KernelsUnavailable as error:
+        return None, str(error)
+
+
+def _build():
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        raise KernelsUnavailable(f"this CPU has no AVX-512 (torch sees {torch.backends.cpu.get_cpu_capability()})")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelsUnavailable(f"no C++ compiler ({compiler}) to build them with")
+    from torch.utils.cpp_extension import load
+
+    from ..models import lanes_home
+
+    build = lanes_home() / "kernels" / f"torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    # torch rebuilds when the sources or flags change; the header's digest in the flags covers it too
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    try:
+        load("lanes_quant", [str(SOURCE)], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"],
+             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:
+        raise KernelsUnavailable(f"building {SOURCE.name} failed ({str(error).splitlines()[0]})") from None
+    _register_fakes()
+    return torch.ops.lanes_quant
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernels load (building them if needed), else why not, in one line."""
+    try:
+        kernels()
+    except KernelsUnavailable as error:
+        return str(error)
+    return None
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("lanes_quant::mm_tiles")
+    def _(x, w, kind, n, k):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::mm_panels")
+    def _(x, w, kind, n, k, panel):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::take_rows")
+    def _(w, ids, kind, n, k):
+        return w.new_empty((ids.shape[0], k), dtype=torch.float32)

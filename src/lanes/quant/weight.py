@@ -1,0 +1,161 @@
+"""Weights a model part multiplies by: `matmul(x)` for x [T, in] -> [T, out] in x's dtype.
+
+`QuantWeight` keeps a GGUF block format's bytes at their size ([out, row bytes] uint8; Q8_0, Q4_0 and Q4_1
+rows reordered planar, layout.py) and runs the C++ kernels over them; `DenseWeight` is a plain tensor (F32/F16/BF16 files, Hugging Face folders, or
+a type without a kernel, dequantized); `StackedWeight` is fused rows of weights of different types.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .formats import BlockFormat
+from .layout import to_file, to_kernel
+from .native import kernels
+
+PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
+PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
+
+
+class Weight(Protocol):
+    """What a part asks of a weight of shape [out, in]."""
+
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str: ...
+
+    @property
+    def resident_bytes(self) -> int: ...
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def rows(self, index: torch.Tensor) -> "Weight": ...
+
+
+class QuantWeight:
+    """An [out, in] weight in a GGUF block format, built from the file's bytes [out, row bytes] uint8 and
+    kept at their size: `packed` holds them in the kernels' layout (layout.py; most formats as they are)."""
+
+    def __init__(self, raw: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int], *, packed: bool = False) -> None:
+        out_features, in_features = shape
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, fmt.row_bytes(in_features)):
+            raise ValueError(f"{fmt.name} [{out_features}, {in_features}] needs uint8 "
+                             f"[{out_features}, {fmt.row_bytes(in_features)}], not {raw.dtype} {list(raw.shape)}")
+        self.packed = raw.contiguous() if packed else to_kernel(raw, fmt)  # [out, row bytes] uint8
+        self.format = fmt
+        self.shape = (out_features, in_features)
+        self._ops = kernels()
+
+    def file_bytes(self) -> torch.Tensor:
+        """[out, row bytes] uint8 in the file's layout (for checks and for writing GGUF files)."""
+        return to_file(self.packed, self.format)
+
+    @property
+    def type_name(self) -> str:
+        return self.format.name
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.packed.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] (any float dtype) @ W.T -> [T, out] in x's dtype, accumulated in fp32."""
+        x32 = x if x.dtype == torch.float32 else x.float()
+        n, k = self.shape
+        if x32.shape[0] < PANEL_ROWS:
+            out = self._ops.mm_tiles(x32, self.packed, self.format.kind, n, k)
+        else:
+            out = self._ops.mm_panels(x32, self.packed, self.format.kind, n, k, PANEL)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [R] int64 dequantized: [R, in] in `dtype` (an embedding lookup)."""
+        rows = self._ops.take_rows(self.packed, ids.to(torch.int64), self.format.kind, *self.shape)
+        return rows if dtype == torch.float32 else rows.to(dtype)
+
+    def rows(self, index: torch.Tensor) -> "QuantWeight":
+        """The weight of output rows `index` [R] (a row is whole blocks, so rows move as bytes)."""
+        rows = self.packed.index_select(0, index.to(torch.int64))
+        return QuantWeight(rows, self.format, (len(index), self.shape[1]), packed=True)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] fp32, for checks (never on a load path)."""
+        return self.take(torch.arange(self.shape[0]), torch.float32)
+
+
+class DenseWeight:
+    """A plain [out, in] tensor; `type_name` says what it was read from when that was not this dtype."""
+
+    def __init__(self, tensor: torch.Tensor, source: str | None = None) -> None:
+        self.tensor = tensor
+        self.shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+        self.source = source
+
+    @property
+    def type_name(self) -> str:
+        dtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(self.tensor.dtype, str(self.tensor.dtype))
+        return dtype if self.source in (None, dtype) else f"{self.source} (held as {dtype})"
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.tensor.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.tensor) if x.dtype == self.tensor.dtype else F.linear(x, self.tensor.to(x.dtype))
+
+    def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.tensor).to(dtype)
+
+    def rows(self, index: torch.Tensor) -> "DenseWeight":
+        return DenseWeight(self.tensor.index_select(0, index.to(torch.int64)), self.source)
+
+
+class StackedWeight:
+    """Weights of one input width whose outputs are concatenated (q/k/v or gate/up of different types)."""
+
+    def __init__(self, parts: Sequence[Weight]) -> None:
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def type_name(self) -> str:
+        return "+".join(p.type_name for p in self.parts)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.resident_bytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], dim=-1)
+
+    def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise TypeError("a stacked weight has no rows to take (its outputs are concatenated)")
+
+    def rows(self, index: torch.Tensor) -> Weight:
+        raise TypeError("take rows of the parts before stacking them")
+
+
+def stack_rows(weights: Sequence[Weight]) -> Weight:
+    """One weight whose output rows are `weights`' rows in order: one QuantWeight when they share a format
+    (bytes concatenated), one DenseWeight when all are dense of one dtype, else a StackedWeight."""
+    if len({w.shape[1] for w in weights}) != 1:
+        raise ValueError(f"stacked weights need one input width, not {[w.shape for w in weights]}")
+    if len(weights) == 1:
+        return weights[0]
+    if all(isinstance(w, QuantWeight) for w in weights) and len({w.format for w in weights}) == 1:
+        packed = torch.cat([w.packed for w in weights])
+        return QuantWeight(packed, weights[0].format, (packed.shape[0], weights[0].shape[1]), packed=True)
+    joined = getattr(type(weights[0]), "concatenated", None)  # another device's format weights join themselves
+    if joined is not None and all(type(w) is type(weights[0]) for w in weights):
+        stacked = joined(weights)
+        if stacked is not None:
+            return stacked
+    if all(isinstance(w, DenseWeight) for w in weights) and len({w.tensor.dtype for w in weights}) == 1:
+        return DenseWeight(torch.cat([w.tensor for w in weights]), weights[0].source)
+    return StackedWeight(weights)

@@ -1,0 +1,131 @@
+"""lanes.quant's kernels against the gguf package: every GGUF block format decoded bit for bit as
+`gguf.quants.dequantize` decodes it, and matmuls within fp32's summation bound of x @ dequantize(raw).T.
+
+Rules: random blocks made here (the gguf package's quantizer for Q8_0/Q4_0/Q4_1, random bytes with sane
+f16 scales for the K-quants, which it cannot quantize); the reference product in float64; skipped only on
+a CPU without AVX-512.
+"""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import tiny_gguf
+from lanes.quant import FORMATS, QuantWeight, block_format
+from lanes.quant import weight as weight_module
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the kernels need AVX-512")
+
+
+def random_raw(kind: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, row bytes] uint8 of format `kind` with weights of size ~0.02."""
+    if kind in tiny_gguf.K_LAYOUT:
+        return tiny_gguf.random_k_blocks(rows, cols, kind, scale=1e-3, seed=seed)
+    if kind == Q.Q6_K:  # f16 d at byte 208 of each 210-byte block; int8 scales and 6-bit q random
+        blocks = np.random.default_rng(seed).integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+        blocks[:, :, 208:210] = np.full((rows, cols // 256), 2e-5, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        return blocks.reshape(rows, -1)
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.02
+    return gguf.quants.quantize(values, kind)
+
+
+def weight_of(kind: Q, rows: int, cols: int, seed: int = 0) -> tuple[QuantWeight, np.ndarray]:
+    raw = random_raw(kind, rows, cols, seed)
+    reference = gguf.quants.dequantize(raw, kind).reshape(rows, cols)
+    return QuantWeight(torch.from_numpy(raw.copy()), block_format(kind), (rows, cols)), reference
+
+
+def summation_bound(x: torch.Tensor, reference: np.ndarray) -> torch.Tensor:
+    """|fl32(sum x_i w_i) - sum x_i w_i| <= gamma_K sum |x_i w_i|, gamma_K = K u / (1 - K u), u = 2^-24,
+    for any order of the K additions (with or without fma); plus float64's own error in the reference."""
+    k = x.shape[1]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24) + 2 * k * 2.0**-53
+    return gamma * (x.double().abs() @ torch.from_numpy(np.abs(reference)).double().T)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_every_value_decodes_as_the_gguf_package_decodes_it(kind):
+    w, reference = weight_of(kind, 13, 512)
+    assert np.array_equal(w.dequantize().numpy().view(np.uint32), reference.view(np.uint32))  # bit for bit, signs of zero too
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 31, 32, 33, 64])  # both paths, either side of PANEL_ROWS
+def test_matmul_is_within_fp32_summation_of_the_dequantized_product(kind, rows):
+    w, reference = weight_of(kind, 67, 768, seed=rows)  # 67 rows: a partial tile of 4 and of a 64-row panel
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ torch.from_numpy(reference).double().T
+    got = w.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 67)
+    assert ((got.double() - exact).abs() <= summation_bound(x, reference)).all()
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q6_K], ids=lambda k: k.name)
+def test_both_paths_agree_at_every_row_count_they_share(kind, monkeypatch):
+    w, reference = weight_of(kind, 40, 256)
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(1))
+    tiles = w.matmul(x[:8])
+    monkeypatch.setattr(weight_module, "PANEL_ROWS", 1)
+    panels = w.matmul(x[:8])
+    bound = 2 * summation_bound(x[:8], reference)
+    assert ((tiles.double() - panels.double()).abs() <= bound).all()
+
+
+def test_bf16_activations_come_back_in_bf16_rounded_once():
+    w, reference = weight_of(Q.Q4_1, 32, 256)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = w.matmul(x)
+    exact = x.double() @ torch.from_numpy(reference).double().T
+    assert got.dtype == torch.bfloat16
+    bound = summation_bound(x.float(), reference) * 1.01 + exact.abs() * 2.0**-8  # bf16 keeps 8 bits
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_take_returns_the_dequantized_rows_asked_for(kind):
+    w, reference = weight_of(kind, 9, 256)
+    ids = torch.tensor([8, 0, 3, 3])
+    assert torch.equal(w.take(ids, torch.float32), torch.from_numpy(reference[[8, 0, 3, 3]]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        w.take(torch.tensor([9]), torch.float32)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_resident_bytes_are_the_file_bytes(kind):
+    w, _ = weight_of(kind, 24, 512)
+    assert w.resident_bytes == 24 * 512 // FORMATS[int(kind)].values * FORMATS[int(kind)].bytes
+    assert w.type_name == kind.name
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+def test_the_kernels_layout_holds_the_files_bytes(kind):
+    raw = random_raw(kind, 5, 512, seed=3)
+    w = QuantWeight(torch.from_numpy(raw.copy()), block_format(kind), (5, 512))
+    assert w.packed.shape == raw.shape and np.array_equal(w.file_bytes().numpy(), raw)
+
+
+def test_a_row_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        QuantWeight(torch.zeros(2, 144, dtype=torch.uint8), block_format(Q.Q4_K), (2, 288))
+    with pytest.raises(ValueError, match=r"needs uint8 \[2, 144\]"):
+        QuantWeight(torch.zeros(2, 140, dtype=torch.uint8), block_format(Q.Q4_K), (2, 256))
+
+
+def test_torch_compile_traces_through_the_kernels_in_one_graph():
+    w, reference = weight_of(Q.Q4_1, 24, 256)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(lambda x: torch.relu(w.matmul(x)) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), torch.relu(w.matmul(x)) * 2)
+
+
+def test_many_rows_run_under_inference_mode():
+    w, reference = weight_of(Q.Q4_1, 80, 256)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        got = w.matmul(x)
+    exact = x.double() @ torch.from_numpy(reference).double().T
+    assert ((got.double() - exact).abs() <= summation_bound(x, reference)).all()
