@@ -17,6 +17,7 @@ from ..gpu.attention import PagedRows, paged_attention, write_kv
 from ..gpu.collective import Collective
 from ..gpu.kv import KVCache
 from .config import ModelConfig
+from ..quant import stack_rows
 from .linear import Linear, RowParallel
 from .norm import rms_norm
 from .rope import apply_rotary
@@ -62,16 +63,17 @@ class Attention:
         hidden, d = config.hidden_size, config.head_dim
         q_rows, kv_rows = config.heads * d, config.kv_heads * d
 
-        def qkv(kind: str, tail: tuple[int, ...]) -> torch.Tensor:
-            q = read.get(prefix + f"q_proj.{kind}", (q_rows, *tail), dim=0, part=shard.column)
-            k = read.get(prefix + f"k_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
-            v = read.get(prefix + f"v_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
-            return torch.cat([q, k, v]).contiguous()
+        def qkv(kind: str, tail: tuple[int, ...]):
+            read_one = read.weight if kind == "weight" else read.get
+            q = read_one(prefix + f"q_proj.{kind}", (q_rows, *tail), dim=0, part=shard.column)
+            k = read_one(prefix + f"k_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
+            v = read_one(prefix + f"v_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
+            return stack_rows([q, k, v]) if kind == "weight" else torch.cat([q, k, v]).contiguous()
 
         fused = Linear(qkv("weight", (hidden,)), qkv("bias", ()) if config.qkv_bias else None)
         q_norm = read.get(prefix + "q_norm.weight", (d,)) if config.qk_norm else None
         k_norm = read.get(prefix + "k_norm.weight", (d,)) if config.qk_norm else None
-        o = RowParallel(read.get(prefix + "o_proj.weight", (hidden, q_rows), dim=1, part=shard.column),
+        o = RowParallel(read.weight(prefix + "o_proj.weight", (hidden, q_rows), dim=1, part=shard.column),
                         read.get(prefix + "o_proj.bias", (hidden,)) if config.o_bias else None, comm)
         return cls(index, fused, q_norm, k_norm, o, config.heads // shard.world, shard.kv_heads(config), d,
                    config.rotary_dim, config.rms_eps)

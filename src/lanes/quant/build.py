@@ -13,18 +13,23 @@ from .quantize import SCHEMES, quantize_rows
 from .weight import DenseWeight, QuantWeight, Weight
 
 
-def from_gguf(data: np.ndarray, kind: int | gguf.GGMLQuantizationType, shape: tuple[int, int], dtype: torch.dtype) -> Weight:
-    """A GGUF matrix of torch shape [out, in] from its bytes as the reader maps them (`data`).
+def from_gguf(data: np.ndarray, kind: int | gguf.GGMLQuantizationType, shape: tuple[int, int], dtype: torch.dtype,
+              *, device: torch.device | str | None = None) -> Weight:
+    """A GGUF matrix of torch shape [out, in] from its bytes as the reader maps them (`data`), for `device`
+    (None: the CPU).
 
-    Types with a kernel stay in their format (the bytes copied once, nothing dequantized); F32/F16/BF16 become
-    a tensor in `dtype`; other types, or any type when the kernels cannot run here, are dequantized to `dtype`."""
+    On the CPU, types with a kernel stay in their format (the bytes copied once, nothing dequantized);
+    F32/F16/BF16 become a tensor in `dtype`; other types, other devices, or any type when the kernels cannot
+    run here, are dequantized to `dtype` on the device."""
     out_features, in_features = shape
     fmt = FORMATS.get(int(kind))
-    if fmt is not None and unavailable_reason() is None:
+    device = torch.device(device or "cpu")
+    if fmt is not None and device.type == "cpu" and unavailable_reason() is None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, fmt.row_bytes(in_features))
         return QuantWeight(torch.from_numpy(raw.copy()), fmt, shape)
     values = np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(kind)))).reshape(shape)
-    return DenseWeight(torch.from_numpy(np.array(values, copy=True)).to(dtype), type_name(kind))
+    tensor = torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
+    return DenseWeight(tensor, type_name(kind))
 
 
 def quantized(tensor: torch.Tensor, scheme: str) -> Weight:

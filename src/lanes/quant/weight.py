@@ -141,6 +141,20 @@ class StackedWeight:
         raise TypeError("take rows of the parts before stacking them")
 
 
+def pad_rows(weight: Weight, rows: int) -> Weight:
+    """`weight` with zero rows after its own up to `rows` (a vocabulary slice padded to the per-rank size;
+    zero bytes are zero values in every block format)."""
+    missing = rows - weight.shape[0]
+    if missing <= 0:
+        return weight
+    if isinstance(weight, QuantWeight):
+        zeros = torch.zeros(missing, weight.packed.shape[1], dtype=torch.uint8, device=weight.packed.device)
+        return stack_rows([weight, QuantWeight(zeros, weight.format, (missing, weight.shape[1]), packed=True)])
+    if isinstance(weight, DenseWeight):
+        return stack_rows([weight, DenseWeight(weight.tensor.new_zeros(missing, weight.shape[1]), weight.source)])
+    raise TypeError(f"cannot pad a {type(weight).__name__}")
+
+
 def stack_rows(weights: Sequence[Weight]) -> Weight:
     """One weight whose output rows are `weights`' rows in order: one QuantWeight when they share a format
     (bytes concatenated), one DenseWeight when all are dense of one dtype, else a StackedWeight."""
