@@ -70,6 +70,7 @@ class Service:
     pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
     draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
     grammars: GrammarEngine | None = None  # constrained decoding (response_format, tool choices); None refuses it
+    weights: dict | None = None  # the weights' types (counts and bytes by type) and resident bytes, rank 0's shard
     max_responses: int = 1024  # /v1/responses kept in memory for previous_response_id, the newest
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
@@ -126,6 +127,7 @@ class Service:
                 "send_timeout": self.send_timeout,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
+            "weights": self.weights,
             "prompt_cache": self._cache_info(stats.cache),
             "drafts": self._drafts_info(stats.drafts),
             "tool_system": self.tool_system is not None,

@@ -17,6 +17,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096, help="most tokens of context a request may use")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on the CPU), bf16, fp16 or fp32")
+    parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                        help="keep a full-precision checkpoint's matrices quantized on the CPU: int8 (GGUF Q8_0) or int4 "
+                             "(Q4_1), scales a group of 32 (a GGUF file keeps its own types without it)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
                         help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
     parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")

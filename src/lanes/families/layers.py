@@ -35,6 +35,7 @@ class DecoderWeights:
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
     head: Linear  # [vocab_per_rank, hidden]; the embedding itself when tied
+    embed_read: Weight | None = None  # the embedding as read, when `embed` is its tensor (what it was read from)
 
 
 def tensor_count(config: ModelConfig) -> int:
@@ -80,4 +81,5 @@ def load_decoder(
     embed = read.vocab("model.embed_tokens.weight", config, shard)
     head = Linear(embed if config.tie_embeddings else read.vocab("lm_head.weight", config, shard))  # tied: one weight
     table = embed.tensor if isinstance(embed, DenseWeight) else embed
-    return DecoderWeights(embed=table, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=head)
+    return DecoderWeights(embed=table, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=head,
+                          embed_read=embed)

@@ -21,6 +21,7 @@ class Linear:
     (kept quantized; a DenseWeight is unwrapped to its tensor), and b [out] or None, on the device."""
 
     def __init__(self, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None) -> None:
+        self.read = weight  # as read (a DenseWeight says what it was read from)
         self.weight = weight.tensor if isinstance(weight, DenseWeight) else weight
         self.bias = bias
         self.dense = isinstance(self.weight, torch.Tensor)

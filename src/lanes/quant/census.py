@@ -34,27 +34,32 @@ class Census:
 
 def census(root: object) -> Census:
     """Every tensor and weight reachable from `root` (a model's weights: dataclasses, parts, lists), each
-    counted once however many parts share it (a tied head is the embedding)."""
-    found = Census()
-    seen: set[int] = set()
+    counted once however many parts share it (a tied head is the embedding); a tensor held by a DenseWeight
+    is counted under the DenseWeight's type (what it was read from)."""
+    reached: dict[int, object] = {}
     stack = [root]
     while stack:
         item = stack.pop()
-        if id(item) in seen or item is None:
+        if item is None or id(item) in reached:
             continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            found.add(DTYPES.get(item.dtype, str(item.dtype).removeprefix("torch.")), item.nbytes)
-        elif isinstance(item, StackedWeight):
+        reached[id(item)] = item
+        if isinstance(item, StackedWeight):
             stack.extend(item.parts)
-        elif isinstance(item, (QuantWeight, DenseWeight)):
-            found.add(item.type_name, item.resident_bytes)
+        elif isinstance(item, DenseWeight):
+            stack.append(item.tensor)
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
-        elif hasattr(item, "__dict__") and _part(type(item).__module__):
+        elif not isinstance(item, (torch.Tensor, QuantWeight)) and hasattr(item, "__dict__") and _part(type(item).__module__):
             stack.extend(vars(item).values())
+    found = Census()
+    held = {id(w.tensor) for w in reached.values() if isinstance(w, DenseWeight)}
+    for key, item in reached.items():
+        if isinstance(item, (QuantWeight, DenseWeight)):
+            found.add(item.type_name, item.resident_bytes)
+        elif isinstance(item, torch.Tensor) and key not in held:
+            found.add(DTYPES.get(item.dtype, str(item.dtype).removeprefix("torch.")), item.nbytes)
     return found
 
 

@@ -167,4 +167,16 @@ def stack_rows(weights: Sequence[Weight]) -> Weight:
         return QuantWeight(packed, weights[0].format, (packed.shape[0], weights[0].shape[1]), packed=True)
     if all(isinstance(w, DenseWeight) for w in weights) and len({w.tensor.dtype for w in weights}) == 1:
         return DenseWeight(torch.cat([w.tensor for w in weights]), weights[0].source)
-    return StackedWeight(weights)
+    runs: list[list[Weight]] = []  # neighbours of one format fused: q and k of Q4_1 beside a Q8_0 v
+    for w in weights:
+        if runs and _fusable(runs[-1][-1], w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return StackedWeight([stack_rows(run) for run in runs])
+
+
+def _fusable(a: Weight, b: Weight) -> bool:
+    if isinstance(a, QuantWeight) and isinstance(b, QuantWeight):
+        return a.format == b.format
+    return isinstance(a, DenseWeight) and isinstance(b, DenseWeight) and a.tensor.dtype == b.tensor.dtype
