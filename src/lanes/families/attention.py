@@ -94,8 +94,15 @@ class Attention:
                 kv: KVCache) -> torch.Tensor:
         """h: [T, hidden] (normed); cos, sin: [T, rotary_dim] -> [T, hidden], summed across ranks. Writes
         the rows' K and V into their slots first."""
-        q, k, v = self.heads_of(self.qkv(h))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv(h)
+        if self.q_norm is None:  # q and k side by side in qkv's rows: rotated as one tensor of heads
+            t, d = qkv.shape[0], self.head_dim
+            qk, v = qkv.split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
+            q, k = apply_rotary(qk.reshape(t, self.heads + self.kv_heads, d), cos, sin).split([self.heads, self.kv_heads], dim=1)
+            v = v.reshape(t, self.kv_heads, d)
+        else:
+            q, k, v = self.heads_of(qkv)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache_k, cache_v = kv.layer(self.index)
         write_kv(cache_k, cache_v, paged, k, v)
         out = paged_attention(q, cache_k, cache_v, paged, self.scale)  # [T, hq, D]
