@@ -16,6 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import gguf
 import torch
 
 import lanes.quant.build
@@ -82,7 +83,7 @@ def main() -> None:
                 times[(name, n)].append(step_ms(model.decoder, n, args.steps, blocks, 64, model.config.vocab_size))
     end = next((i for i, t in enumerate(q_tokens) if t in quant.tokenizer.eos_ids), len(q_tokens))
     text = quant.tokenizer.decode(q_tokens[:end])
-    file_bytes = sum(t.n_bytes for t in quant.checkpoint.gguf.tensors.values())
+    file_bytes = sum(t.n_bytes for t in gguf.GGUFReader(path).tensors)
     print(f"\nweights: dequantized {dense.weights_census().resident_bytes / 1e6:.0f} MB, kept quantized "
           f"{quant.weights_census().resident_bytes / 1e6:.0f} MB (the file's tensors: {file_bytes / 1e6:.0f} MB)")
     print(f"greedy {args.new} tokens: {'identical' if same is None else f'first differ at {same}'}; "

@@ -171,6 +171,8 @@ def load_model(
         model.vision_tokens = vision_tokens(checkpoint.raw_config, config.family)
     if vision:
         model.vision = load_vision_tower(checkpoint, placement, stream)
+    if checkpoint.gguf is not None:
+        checkpoint.gguf.release()  # every weight is a copy now
     return model
 
 
