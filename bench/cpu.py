@@ -51,8 +51,8 @@ def worker_lanes(model: str, lanes: int, context: int):
     from lanes.core.lane_core import LaneCore
     from lanes.core.sampling import SamplingParams
     from lanes.core.stream import Finished, Request, TokenEvent
-    from lanes.core.torch_backend import TorchBackend, text_factory
-    from lanes.gpu.blocks import blocks_for
+    from lanes.backend.torch_backend import TorchBackend, text_factory
+    from lanes.core.blocks import blocks_for
     from lanes.gpu.device import choose, runner_for
     from lanes.loader import load_model
 

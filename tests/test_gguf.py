@@ -93,3 +93,24 @@ def test_quantized_qwen3_moe_gguf_equals_transformers_gguf_loader(tmp_path):
     assert not torch.equal(reference.model.layers[0].mlp.experts.down_proj, source.model.layers[0].mlp.experts.down_proj)
     model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, quiet=True)
     scenario.assert_equals_transformers(model, reference)
+
+
+def test_without_the_kernels_a_quantized_file_is_dequantized_and_says_so(tmp_path, monkeypatch):
+    import io
+
+    import lanes.quant.build
+    import lanes.quant.native
+
+    monkeypatch.setattr(lanes.quant.native, "built", lambda: False)
+    monkeypatch.setattr(lanes.quant.native, "unavailable_reason", lambda: "this CPU has no AVX-512")
+    monkeypatch.setattr(lanes.quant.build, "unavailable_reason", lambda: "this CPU has no AVX-512")
+    source = tiny.build("llama", tmp_path / "hf", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write(source, tmp_path / "hf", path, "llama", Q.Q8_0)
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    model = load_model(path, choose("cpu", "fp32"), kv_blocks=64)
+    assert "GGUF weights are dequantized at load: this CPU has no AVX-512\n" in stream.getvalue()
+    assert "loading tiny.gguf (dequantizing to fp32)" in stream.getvalue()
+    layers = model.config.layers
+    assert model.weights_census().tensors == {"Q8_0 (held as F32)": 4 * layers + 1, "F32": 2 * layers + 1}

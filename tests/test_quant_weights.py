@@ -111,7 +111,7 @@ def test_stacking_one_format_makes_one_weight_and_mixed_ones_a_stack(gguf_file):
     assert isinstance(fused, QuantWeight) and fused.shape == (64, 512)
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
     mixed = stack_rows([q, k, v])
-    assert isinstance(mixed, StackedWeight) and mixed.shape == (112, 512) and mixed.type_name == "Q4_1+Q4_1+Q6_K"
+    assert isinstance(mixed, StackedWeight) and mixed.shape == (112, 512) and mixed.type_name == "Q4_1+Q6_K"  # neighbours of one format fused
     assert mixed.resident_bytes == q.resident_bytes + k.resident_bytes + v.resident_bytes
     x = torch.randn(3, 512)
     assert torch.equal(mixed.matmul(x), torch.cat([q.matmul(x), k.matmul(x), v.matmul(x)], -1))

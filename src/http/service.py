@@ -71,6 +71,7 @@ class Service:
     draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
     grammars: GrammarEngine | None = None  # constrained decoding (response_format, tool choices); None refuses it
     kv_cache: dict | None = None  # the KV cache's dtype and bytes (`KVCache.describe`); None: no device cache (the fake)
+    weights: dict | None = None  # the weights' types (counts and bytes by type) and resident bytes, rank 0's shard
     max_responses: int = 1024  # /v1/responses kept in memory for previous_response_id, the newest
     metrics: Metrics = field(default=None)  # type: ignore[assignment]
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("lanes.http"))
@@ -128,6 +129,7 @@ class Service:
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "kv_cache": self.kv_cache,
+            "weights": self.weights,
             "prompt_cache": self._cache_info(stats.cache),
             "drafts": self._drafts_info(stats.drafts),
             "tool_system": self.tool_system is not None,

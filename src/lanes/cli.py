@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from .gpu.device import DeviceError
     from .gpu.ranks import PeerLost, RankError
     from .serve import NotAvailable, configure_logging, refuse_unbuilt, serve_main
+    from .loader import QuantizeRefused
     from .text.chat import ChatTemplateError
 
-    usage = (CheckpointError, DeviceError, ChatTemplateError, NotAvailable, RankError)
+    usage = (CheckpointError, DeviceError, ChatTemplateError, NotAvailable, RankError, QuantizeRefused)
     failures = (BackendFailed, PeerLost)
     try:
         if args.command == "fetch":

@@ -20,6 +20,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache", choices=["auto", "fp8"], default="auto",
                         help="the KV cache's number format: auto (the model's dtype) or fp8 (e4m3 with a power-of-two "
                              "scale a token's head: half of bf16's bytes, a quarter of fp32's)")
+    parser.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                        help="keep a full-precision checkpoint's matrices quantized on the CPU: int8 (GGUF Q8_0) or int4 "
+                             "(Q4_1), scales a group of 32 (a GGUF file keeps its own types without it)")
     parser.add_argument("--prompt-cache-bytes", type=int, default=-1,
                         help="KV bytes the prompt cache may hold (-1: half the KV pool; 0: no prompt cache)")
     parser.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs (eager kernels)")

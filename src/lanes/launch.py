@@ -62,7 +62,7 @@ def follower_main(args: argparse.Namespace) -> int:
     comm, control = join(spec, placement.device)
     try:
         model = load_model(resolve_model(args.model), placement, shard=Shard(spec.rank, spec.world), comm=comm,
-                           kv_blocks=kv_blocks(args), kv_cache=args.kv_cache)
+                           kv_blocks=kv_blocks(args), kv_cache=args.kv_cache, quantize=args.quantize)
         fast = fast_decode(model, args.lanes, model_length(args, model), not args.no_graphs)  # as rank 0 has it
         startup_barrier(spec.rank)
         freeze_startup_heap()

@@ -25,6 +25,8 @@ from .families.registry import Family, family_for
 from .families.weights import Shard
 from .families.vision_tower_config import VISION_FAMILIES
 from .progress import Progress
+from .quant import SCHEMES, census
+from .quant.census import Census
 from .core.blocks import BLOCK_SIZE, blocks_within
 from .gpu.collective import Collective, Solo
 from .gpu.device import Placement
@@ -109,6 +111,10 @@ class LoadedModel:
     def kv_blocks(self) -> int:
         return self.decoder.kv.blocks
 
+    def weights_census(self) -> Census:
+        """Each weight's type (counts by type) and the bytes the weights keep resident."""
+        return census(self.decoder.weights)
+
 
 def default_kv_bytes(placement: Placement) -> int:
     """The KV budget when none is given: 2 GiB on the CPU, 85% of what is free on a GPU after the weights."""
@@ -130,10 +136,13 @@ def load_model(
     quiet: bool = False,
     vision: bool = False,
     kv_cache: str = "auto",
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache
     (`kv_cache`: "auto", the model's dtype, or "fp8"; a byte budget holds nearly twice the blocks in fp8
-    as in bf16); with `vision`, also the vision tower of a family that has one (CheckpointError for one that has none)."""
+    as in bf16); with `vision`, also the vision tower of a family that has one (CheckpointError for one that
+    has none). A GGUF file's block formats stay as they are on the CPU; `quantize` ("int8", "int4")
+    quantizes a full-precision checkpoint's matrices (QuantizeRefused where that cannot be done here)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
     checkpoint = open_checkpoint(path)
@@ -145,9 +154,12 @@ def load_model(
         raise CheckpointError(checkpoint.path, str(error)) from None
     stream = io.StringIO() if quiet else sys.stderr
     comm = comm or Solo()
-    with Progress(f"loading {checkpoint.path.name}", tensor_count(config), stream=stream, unit="tensors") as progress:
+    kept = kernels_for(checkpoint, placement, quantize, stream)
+    label = f"loading {checkpoint.path.name} ({load_action(checkpoint, placement, quantize, kept)})"
+    with Progress(label, tensor_count(config), stream=stream, unit="tensors") as progress:
         weights = load_decoder(config, checkpoint.source, checkpoint.path, shard=shard, device=placement.device,
-                               dtype=placement.dtype, experts=checkpoint.family.experts, comm=comm, progress=progress)
+                               dtype=placement.dtype, experts=checkpoint.family.experts, comm=comm, progress=progress,
+                               quantize=quantize)
     kv_shape = KVShape(config.layers, shard.kv_heads(config), config.head_dim, BLOCK_SIZE)
     fp8 = kv_cache == "fp8"
     if kv_blocks is None:
@@ -164,7 +176,49 @@ def load_model(
         model.vision_tokens = vision_tokens(checkpoint.raw_config, config.family)
     if vision:
         model.vision = load_vision_tower(checkpoint, placement, stream)
+    if checkpoint.gguf is not None:
+        checkpoint.gguf.release()  # every weight is a copy now
     return model
+
+
+class QuantizeRefused(ValueError):
+    """`--quantize` asked of a checkpoint or device it cannot apply to; the message says why in one line."""
+
+
+def kernels_for(checkpoint: Checkpoint, placement: Placement, quantize: str | None, stream) -> bool:
+    """Whether weights are kept quantized in this load: the CPU kernels built (a progress step; the first
+    time about a minute, then loaded from `$LANES_HOME/kernels`) when a GGUF file or `quantize` needs them."""
+    if quantize is not None:
+        if quantize not in SCHEMES:
+            raise QuantizeRefused(f"--quantize takes {' or '.join(SCHEMES)}, not {quantize!r}")
+        if checkpoint.gguf is not None:
+            raise QuantizeRefused("--quantize is for full-precision checkpoints; a GGUF file's weights keep their own types")
+        if placement.device.type != "cpu":
+            raise QuantizeRefused("--quantize runs on the CPU only in this version of lanes")
+    elif checkpoint.gguf is None or placement.device.type != "cpu":
+        return False
+    from .quant.native import built, unavailable_reason
+
+    if built():
+        return unavailable_reason() is None
+    with Progress("building the quantized CPU kernels (once a torch version)", 1, stream=stream, unit="step") as progress:
+        reason = unavailable_reason()
+        progress.advance()
+    if reason is not None and quantize is not None:
+        raise QuantizeRefused(f"--quantize needs the quantized CPU kernels: {reason}")
+    if reason is not None:
+        stream.write(f"GGUF weights are dequantized at load: {reason}\n")
+    return reason is None
+
+
+def load_action(checkpoint: Checkpoint, placement: Placement, quantize: str | None, kept: bool) -> str:
+    """What the load does to the weights, in a few words for its progress bar."""
+    dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(placement.dtype, str(placement.dtype))
+    if quantize is not None:
+        return f"quantizing matrices to {quantize} ({SCHEMES[quantize].name})"
+    if checkpoint.gguf is not None:
+        return "keeping GGUF blocks as they are" if kept else f"dequantizing to {dtype}"
+    return f"in {dtype}"
 
 
 def load_vision_tower(checkpoint: Checkpoint, placement: Placement, stream) -> "VisionTower":

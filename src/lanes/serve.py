@@ -67,11 +67,11 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     if spec is None:
         # Enough KV for every lane to hold a whole context, if the budget allows.
         model = load_model(path, placement, kv_max_blocks=args.lanes * blocks_for(args.max_model_len), vision=args.vision,
-                           kv_cache=args.kv_cache)
+                           kv_cache=args.kv_cache, quantize=args.quantize)
     else:
         comm, control = join(spec, placement.device)
         model = load_model(path, placement, shard=Shard(0, spec.world), comm=comm, kv_blocks=kv_blocks(args),
-                           kv_cache=args.kv_cache)
+                           kv_cache=args.kv_cache, quantize=args.quantize)
         startup_barrier(0)
         followers = Followers(control, spec.world)
     max_model_len = model_length(args, model)
@@ -109,7 +109,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    send_buffer=args.send_buffer, tp=spec.world if spec else 1, followers=followers,
                    vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
                    pass_times=backend.statistics, draft_method=method,
-                   grammars=grammars, kv_cache=model.decoder.kv.describe())
+                   grammars=grammars, kv_cache=model.decoder.kv.describe(), weights=model.weights_census().as_json())
 
 
 def draft_source(args: argparse.Namespace, model, placement):

@@ -33,6 +33,12 @@ class GGUFFile:
         self.tensors: dict[str, gguf.ReaderTensor] = {t.name: t for t in reader.tensors}
         self._reader = reader
 
+    def release(self) -> None:
+        """Drop the mapping and the reader's arrays once every tensor is read (kept: the metadata); about
+        the file's size of resident memory, and the reader's parsed arrays beside it."""
+        self._reader = None
+        self.tensors = {}
+
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")

@@ -1,6 +1,7 @@
 """A GGUF file's tensors under Hugging Face names (its metadata as a config.json is `gguf_config`).
 
-Tensors are dequantized one at a time with the gguf package. The family gives the names: llama.cpp's
+Matrices in a block format with a CPU kernel are kept as the file's bytes (`weight`, lanes.quant); other
+tensors are dequantized one at a time with the gguf package (`get`). The family gives the names: llama.cpp's
 name of each layer tensor after `blk.N.` to its Hugging Face name after `model.layers.N.` (an MoE
 family's experts stay stacked, [experts, rows, cols], under their expert name without the expert's
 number). llama.cpp stores the Q and K rows of the `llama` architecture permuted for its interleaved RoPE,
@@ -12,8 +13,10 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
+from ..quant import Weight, block_format, from_gguf
 from .gguf_file import GGUFFile
 
 PERMUTED = {"llama"}  # convert_hf_to_gguf permutes q/k only for these
@@ -67,6 +70,44 @@ class GGUFSource:
         if dim is None or world == 1:
             return tensor
         return tensor.chunk(world, dim=dim)[rank].contiguous()
+
+
+    def weight(self, name: str, *, dim: int | None = None, rank: int = 0, world: int = 1, dtype: torch.dtype,
+               device: torch.device) -> Weight | None:
+        """A matrix as `lanes.quant.from_gguf` builds it from the file's bytes, this rank's part of it (rows
+        moved as bytes: the Q/K permutation undone by `rows`, column slices cut at block edges); None where
+        `get` must read it (not a matrix, or a column slice inside a block)."""
+        gguf_name = self._gguf_name[name]
+        tensor = self.file.tensors[gguf_name]
+        shape = self.file.shape(gguf_name)
+        if len(shape) != 2:
+            return None
+        rows, columns = shape
+        data = tensor.data
+        if dim == 1 and world > 1:
+            step = columns // world
+            fmt = block_format(tensor.tensor_type)
+            if fmt is not None:
+                if step % fmt.values:
+                    return None
+                width = fmt.row_bytes(step)
+                data = np.asarray(data).view(np.uint8).reshape(rows, -1)[:, rank * width : (rank + 1) * width]
+            elif data.ndim == 2 and data.shape[1] == columns:  # F32/F16/BF16: values, not blocks
+                data = data[:, rank * step : (rank + 1) * step]
+            else:
+                return None
+            columns = step
+        weight = from_gguf(data, tensor.tensor_type, (rows, columns), dtype, device=device)
+        index = torch.arange(rows)
+        if self._permute and ".self_attn.q_proj." in name:
+            index = unpermute(index, self._heads)
+        elif self._permute and ".self_attn.k_proj." in name:
+            index = unpermute(index, self._kv_heads)
+        if dim == 0 and world > 1:
+            index = index.chunk(world)[rank]
+        if dim == 0 and world > 1 or not torch.equal(index, torch.arange(rows)):
+            weight = weight.rows(index.to(device))
+        return weight
 
 
 def unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:

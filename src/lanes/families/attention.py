@@ -17,6 +17,7 @@ from ..gpu.attention import PagedRows, paged_attention, write_kv
 from ..gpu.collective import Collective
 from ..gpu.kv import KVCache
 from .config import ModelConfig
+from ..quant import stack_rows
 from .linear import Linear, RowParallel
 from .norm import rms_norm
 from .rope import apply_rotary
@@ -62,16 +63,17 @@ class Attention:
         hidden, d = config.hidden_size, config.head_dim
         q_rows, kv_rows = config.heads * d, config.kv_heads * d
 
-        def qkv(kind: str, tail: tuple[int, ...]) -> torch.Tensor:
-            q = read.get(prefix + f"q_proj.{kind}", (q_rows, *tail), dim=0, part=shard.column)
-            k = read.get(prefix + f"k_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
-            v = read.get(prefix + f"v_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
-            return torch.cat([q, k, v]).contiguous()
+        def qkv(kind: str, tail: tuple[int, ...]):
+            read_one = read.weight if kind == "weight" else read.get
+            q = read_one(prefix + f"q_proj.{kind}", (q_rows, *tail), dim=0, part=shard.column)
+            k = read_one(prefix + f"k_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
+            v = read_one(prefix + f"v_proj.{kind}", (kv_rows, *tail), dim=0, part=shard.kv_part(config))
+            return stack_rows([q, k, v]) if kind == "weight" else torch.cat([q, k, v]).contiguous()
 
         fused = Linear(qkv("weight", (hidden,)), qkv("bias", ()) if config.qkv_bias else None)
         q_norm = read.get(prefix + "q_norm.weight", (d,)) if config.qk_norm else None
         k_norm = read.get(prefix + "k_norm.weight", (d,)) if config.qk_norm else None
-        o = RowParallel(read.get(prefix + "o_proj.weight", (hidden, q_rows), dim=1, part=shard.column),
+        o = RowParallel(read.weight(prefix + "o_proj.weight", (hidden, q_rows), dim=1, part=shard.column),
                         read.get(prefix + "o_proj.bias", (hidden,)) if config.o_bias else None, comm)
         return cls(index, fused, q_norm, k_norm, o, config.heads // shard.world, shard.kv_heads(config), d,
                    config.rotary_dim, config.rms_eps)
@@ -92,8 +94,15 @@ class Attention:
                 kv: KVCache) -> torch.Tensor:
         """h: [T, hidden] (normed); cos, sin: [T, rotary_dim] -> [T, hidden], summed across ranks. Writes
         the rows' K and V into their slots first."""
-        q, k, v = self.heads_of(self.qkv(h))
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv(h)
+        if self.q_norm is None:  # q and k side by side in qkv's rows: rotated as one tensor of heads
+            t, d = qkv.shape[0], self.head_dim
+            qk, v = qkv.split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
+            q, k = apply_rotary(qk.reshape(t, self.heads + self.kv_heads, d), cos, sin).split([self.heads, self.kv_heads], dim=1)
+            v = v.reshape(t, self.kv_heads, d)
+        else:
+            q, k, v = self.heads_of(qkv)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache = kv.layer(self.index)
         exponents = (cache.k_exp, cache.v_exp) if cache.fp8 else None
         write_kv(cache.k, cache.v, paged, k, v, exponents)

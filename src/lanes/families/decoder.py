@@ -108,11 +108,15 @@ class Decoder:
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: each rank fills the rows its slice holds, the sum fills the rest."""
         if self.shard.world == 1:
-            return F.embedding(tokens, self.weights.embed)
+            return self._lookup(tokens)
         local = tokens - self.vocab_first
         inside = (local >= 0) & (local < self.vocab_per_rank)
-        rows = F.embedding(local.clamp(0, self.vocab_per_rank - 1), self.weights.embed)
+        rows = self._lookup(local.clamp(0, self.vocab_per_rank - 1))
         return self.comm.all_reduce(rows * inside[:, None].to(rows.dtype))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.weights.embed
+        return F.embedding(ids, table) if isinstance(table, torch.Tensor) else table.take(ids, self.dtype)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> [R, vocab]: the final norm, this rank's vocabulary slice, then the gather."""

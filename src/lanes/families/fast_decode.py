@@ -24,7 +24,7 @@ def decode_step(decoder: Decoder, tokens: torch.Tensor, positions: torch.Tensor,
     `fed`: (feed [B], drawn [N]): a row whose feed is not negative takes its token from `drawn`."""
     config, w = decoder.config, decoder.weights
     eps = config.rms_eps
-    if fed is not None and decoder.shard.world == 1 and w.embed.is_contiguous():
+    if fed is not None and decoder.shard.world == 1 and isinstance(w.embed, torch.Tensor) and w.embed.is_contiguous():
         x = kernels.fed_embedding(tokens, fed[0], fed[1], w.embed)  # [B, hidden]: the token's pick fused in
     else:
         if fed is not None:

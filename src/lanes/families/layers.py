@@ -11,6 +11,7 @@ import torch
 from ..checkpoint.source import TensorSource
 from ..gpu.collective import Collective, Solo
 from ..progress import Progress
+from ..quant import DenseWeight, Weight
 from .attention import Attention
 from .config import ModelConfig
 from .linear import Linear
@@ -30,10 +31,11 @@ class Layer:
 
 @dataclass
 class DecoderWeights:
-    embed: torch.Tensor  # [vocab_per_rank, hidden]: looked up, never multiplied
+    embed: torch.Tensor | Weight  # [vocab_per_rank, hidden]: looked up (a Weight's `take`), never multiplied
     layers: list[Layer]
     norm: torch.Tensor  # [hidden]
     head: Linear  # [vocab_per_rank, hidden]; the embedding itself when tied
+    embed_read: Weight | None = None  # the embedding as read, when `embed` is its tensor (what it was read from)
 
 
 def tensor_count(config: ModelConfig) -> int:
@@ -56,14 +58,15 @@ def load_decoder(
     experts: MoENames | None = None,
     comm: Collective | None = None,
     progress: Progress | None = None,
+    quantize: str | None = None,
 ) -> DecoderWeights:
     """Read every tensor this shard needs, composing each layer's parts from the config (`experts`: where
-    an MoE family keeps its experts' tensors); missing or misshapen tensors raise CheckpointError."""
+    an MoE family keeps its experts' tensors; `quantize`: "int8" or "int4" for full-precision matrices); missing or misshapen tensors raise CheckpointError."""
     shard.check(config)
     if config.moe is not None and experts is None:
         raise ValueError(f"the {config.family} family has experts but names none of their tensors")
     comm = comm or Solo()
-    read = Reader(source, path, device, dtype, progress)
+    read = Reader(source, path, device, dtype, progress, quantize)
     hidden = config.hidden_size
     layers = []
     for i in range(config.layers):
@@ -76,5 +79,7 @@ def load_decoder(
                                 config.rms_eps)
         layers.append(Layer(read.get(prefix + INPUT_NORM, (hidden,)), attention, read.get(prefix + POST_NORM, (hidden,)), ffn))
     embed = read.vocab("model.embed_tokens.weight", config, shard)
-    head = embed if config.tie_embeddings else read.vocab("lm_head.weight", config, shard)
-    return DecoderWeights(embed=embed, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=Linear(head))
+    head = Linear(embed if config.tie_embeddings else read.vocab("lm_head.weight", config, shard))  # tied: one weight
+    table = embed.tensor if isinstance(embed, DenseWeight) else embed
+    return DecoderWeights(embed=table, layers=layers, norm=read.get("model.norm.weight", (hidden,)), head=head,
+                          embed_read=embed)

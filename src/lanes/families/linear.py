@@ -15,13 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from ..gpu.collective import Collective
+from ..quant import DenseWeight, Weight
 
 
 class Linear:
-    """y = x W^T + b, full precision: W [out, in] (this rank's shard) and b [out] or None, on the device."""
+    """y = x W^T + b: W [out, in] (this rank's shard) a full-precision tensor, or a `lanes.quant` Weight
+    (kept quantized; a DenseWeight is unwrapped to its tensor), and b [out] or None, on the device."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias = weight, bias
+    def __init__(self, weight: torch.Tensor | Weight, bias: torch.Tensor | None = None) -> None:
+        self.read = weight  # as read (a DenseWeight says what it was read from)
+        self.weight = weight.tensor if isinstance(weight, DenseWeight) else weight
+        self.bias = bias
+        self.dense = isinstance(self.weight, torch.Tensor)
 
     @property
     def out_features(self) -> int:
@@ -29,11 +34,18 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
-        return F.linear(x, self.weight, self.bias)
+        if self.dense:
+            return F.linear(x, self.weight, self.bias)
+        out = self.weight.matmul(x)
+        return out if self.bias is None else out + self.bias
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias."""
+        return F.linear(x, self.weight) if self.dense else self.weight.matmul(x)
 
     def one_row_ready(self) -> bool:
-        """Whether the one-row GEMVs can read this weight (they read it by rows)."""
-        return self.weight.is_contiguous()
+        """Whether the one-row GEMVs can read this weight (they read a tensor by rows)."""
+        return self.dense and self.weight.is_contiguous()
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """`self(x)` for one row x [1, in], on the CUDA cores (`gpu.gemv`)."""
@@ -60,7 +72,7 @@ class RowParallel:
     """A row-parallel linear: each rank multiplies its slice of the input columns, the partial products are
     summed across ranks, and the bias is added once after the sum (inside the product on one rank)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Collective) -> None:
+    def __init__(self, weight: torch.Tensor | Weight, bias: torch.Tensor | None, comm: Collective) -> None:
         alone = comm.world == 1
         self.linear = Linear(weight, bias if alone else None)
         self.bias = None if alone else bias
@@ -73,7 +85,7 @@ class RowParallel:
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the sum, without the bias: a caller that adds shares first sums them once."""
-        return F.linear(x, self.linear.weight)
+        return self.linear.product(x)
 
 
 class Groups:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gpu.collective import Collective
+from ..quant import stack_rows
 from .linear import Linear, RowParallel
 from .weights import Reader, Shard
 
@@ -27,13 +28,14 @@ class GatedMLP:
              comm: Collective, eps: float) -> "GatedMLP":
         """`prefix` ends where gate_proj, up_proj and down_proj follow (e.g. "mlp.", "mlp.shared_expert.")."""
 
-        def gate_up(kind: str, tail: tuple[int, ...]) -> torch.Tensor:
-            gate = read.get(prefix + f"gate_proj.{kind}", (intermediate, *tail), dim=0, part=shard.column)
-            up = read.get(prefix + f"up_proj.{kind}", (intermediate, *tail), dim=0, part=shard.column)
-            return torch.cat([gate, up]).contiguous()
+        def gate_up(kind: str, tail: tuple[int, ...]):
+            read_one = read.weight if kind == "weight" else read.get
+            gate = read_one(prefix + f"gate_proj.{kind}", (intermediate, *tail), dim=0, part=shard.column)
+            up = read_one(prefix + f"up_proj.{kind}", (intermediate, *tail), dim=0, part=shard.column)
+            return stack_rows([gate, up]) if kind == "weight" else torch.cat([gate, up]).contiguous()
 
         fused = Linear(gate_up("weight", (hidden,)), gate_up("bias", ()) if bias else None)
-        down = RowParallel(read.get(prefix + "down_proj.weight", (hidden, intermediate), dim=1, part=shard.column),
+        down = RowParallel(read.weight(prefix + "down_proj.weight", (hidden, intermediate), dim=1, part=shard.column),
                            read.get(prefix + "down_proj.bias", (hidden,)) if bias else None, comm)
         return cls(fused, down, eps)
 

@@ -17,6 +17,7 @@ import torch
 from ..checkpoint.errors import CheckpointError
 from ..checkpoint.source import TensorSource
 from ..progress import Progress
+from ..quant import DenseWeight, Weight, pad_rows, quantized
 from .config import ModelConfig
 
 
@@ -60,10 +61,14 @@ class Shard:
 
 class Reader:
     """Reads named tensors from a source onto the device, checking shapes against the config; one step of
-    `progress` a tensor the model holds (an MoE layer's experts, read expert by expert, are one)."""
+    `progress` a tensor the model holds (an MoE layer's experts, read expert by expert, are one). Matrices
+    read as `weight` stay in a GGUF file's block format where the source keeps one, or are quantized
+    (`quantize`: "int8" or "int4", `--quantize`)."""
 
-    def __init__(self, source: TensorSource, path: Path, device: torch.device, dtype: torch.dtype, progress: Progress | None):
+    def __init__(self, source: TensorSource, path: Path, device: torch.device, dtype: torch.dtype, progress: Progress | None,
+                 quantize: str | None = None):
         self.source, self.path, self.device, self.dtype, self.progress = source, path, device, dtype, progress
+        self.quantize = quantize
         self.names = set(source.names())
 
     def has(self, name: str) -> bool:
@@ -76,6 +81,24 @@ class Reader:
         tensor = self._read(name, shape, dim, part, dtype)
         self._advance()
         return tensor
+
+    def weight(self, name: str, shape: tuple[int, int], *, dim: int | None = None,
+               part: tuple[int, int] = (0, 1)) -> Weight:
+        """A matrix as `get` slices it, as a `Weight`: the source's own (a GGUF block format kept as it is)
+        where it has one, else the tensor, quantized group-wise with `quantize` where its rows are whole groups."""
+        keep = getattr(self.source, "weight", None)
+        weight = None
+        if keep is not None:
+            self._check(name, shape)
+            weight = keep(name, dim=dim, rank=part[0], world=part[1], dtype=self.dtype, device=self.device)
+        if weight is None:
+            tensor = self._read(name, shape, dim, part, torch.float32 if self.quantize else None)
+            if self.quantize and tensor.shape[1] % 32 == 0:
+                weight = quantized(tensor, self.quantize)
+            else:
+                weight = DenseWeight(tensor.to(self.dtype))
+        self._advance()
+        return weight
 
     def stacked(self, names: Sequence[str], stacked: str, shape: tuple[int, ...], *, dim: int,
                 part: tuple[int, int]) -> torch.Tensor:
@@ -91,22 +114,25 @@ class Reader:
         self._advance()
         return out
 
-    def vocab(self, name: str, config: ModelConfig, shard: Shard) -> torch.Tensor:
+    def vocab(self, name: str, config: ModelConfig, shard: Shard) -> Weight:
         """This rank's vocabulary rows, zero-padded to the per-rank size."""
-        full = self.get(name, (config.vocab_size, config.hidden_size))
+        full = self.weight(name, (config.vocab_size, config.hidden_size))
         first, per_rank = shard.vocab_range(config.vocab_size)
-        rows = full[first : first + per_rank]
-        if rows.shape[0] < per_rank:
-            rows = torch.cat([rows, rows.new_zeros(per_rank - rows.shape[0], rows.shape[1])])
-        return rows.contiguous()
+        if first == 0 and per_rank == config.vocab_size:
+            return full
+        index = torch.arange(first, min(first + per_rank, config.vocab_size), device=self.device)
+        return pad_rows(full.rows(index), per_rank)
 
-    def _read(self, name: str, shape: tuple[int, ...], dim: int | None, part: tuple[int, int],
-              dtype: torch.dtype | None) -> torch.Tensor:
+    def _check(self, name: str, shape: tuple[int, ...]) -> None:
         if name not in self.names:
             raise CheckpointError(self.path, f"missing tensor {name!r}")
         stored = tuple(self.source.shape(name))
         if stored != shape:
             raise CheckpointError(self.path, f"tensor {name!r} has shape {list(stored)}, the config says {list(shape)}")
+
+    def _read(self, name: str, shape: tuple[int, ...], dim: int | None, part: tuple[int, int],
+              dtype: torch.dtype | None) -> torch.Tensor:
+        self._check(name, shape)
         host = self.source.get(name, dim=dim, rank=part[0], world=part[1]) if dim is not None else self.source.get(name)
         return host.to(device=self.device, dtype=dtype or self.dtype)
 

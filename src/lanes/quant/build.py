@@ -14,27 +14,28 @@ from .weight import DenseWeight, QuantWeight, Weight
 
 
 def from_gguf(data: np.ndarray, kind: int | gguf.GGMLQuantizationType, shape: tuple[int, int], dtype: torch.dtype,
-              device: torch.device | str = "cpu") -> Weight:
-    """A GGUF matrix of torch shape [out, in] from its bytes as the reader maps them (`data`), on `device`.
+              *, device: torch.device | str | None = None) -> Weight:
+    """A GGUF matrix of torch shape [out, in] from its bytes as the reader maps them (`data`), for `device`
+    (None: the CPU).
 
-    Types with a kernel stay in their format (the bytes copied once, nothing dequantized); F32/F16/BF16 become
-    a tensor in `dtype`; other types, or any type when the kernels cannot run here, are dequantized to `dtype`.
-    On CUDA the kernels are lanes.gpu.quant's (Q8_0, Q4_K, Q6_K)."""
+    On the CPU, types with a kernel stay in their format (the bytes copied once, nothing dequantized);
+    F32/F16/BF16 become a tensor in `dtype`; other types, or any type when the kernels cannot run here, are
+    dequantized to `dtype` on the device. On CUDA the kernels are lanes.gpu.quant's (Q8_0, Q4_K, Q6_K)."""
     out_features, in_features = shape
     fmt = FORMATS.get(int(kind))
-    if torch.device(device).type == "cuda":
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
         from ..gpu.quant import KINDS, CudaQuantWeight
 
         if fmt is not None and fmt.kind in KINDS:
             raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, fmt.row_bytes(in_features))
             return CudaQuantWeight(torch.from_numpy(raw.copy()).to(device), fmt, shape)
-        values = np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(kind)))).reshape(shape)
-        return DenseWeight(torch.from_numpy(np.array(values, copy=True)).to(device, dtype), type_name(kind))
-    if fmt is not None and unavailable_reason() is None:
+    elif fmt is not None and device.type == "cpu" and unavailable_reason() is None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, fmt.row_bytes(in_features))
         return QuantWeight(torch.from_numpy(raw.copy()), fmt, shape)
     values = np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(kind)))).reshape(shape)
-    return DenseWeight(torch.from_numpy(np.array(values, copy=True)).to(dtype), type_name(kind))
+    tensor = torch.from_numpy(np.array(values, copy=True)).to(device=device, dtype=dtype)
+    return DenseWeight(tensor, type_name(kind))
 
 
 def quantized(tensor: torch.Tensor, scheme: str) -> Weight:

@@ -62,6 +62,11 @@ def _build():
     return torch.ops.lanes_quant
 
 
+def built() -> bool:
+    """Whether this process has tried to load the kernels already (so asking again costs nothing)."""
+    return _load.cache_info().currsize > 0
+
+
 def unavailable_reason() -> str | None:
     """None when the kernels load (building them if needed), else why not, in one line."""
     try:

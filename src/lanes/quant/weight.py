@@ -141,6 +141,20 @@ class StackedWeight:
         raise TypeError("take rows of the parts before stacking them")
 
 
+def pad_rows(weight: Weight, rows: int) -> Weight:
+    """`weight` with zero rows after its own up to `rows` (a vocabulary slice padded to the per-rank size;
+    zero bytes are zero values in every block format)."""
+    missing = rows - weight.shape[0]
+    if missing <= 0:
+        return weight
+    if isinstance(weight, QuantWeight):
+        zeros = torch.zeros(missing, weight.packed.shape[1], dtype=torch.uint8, device=weight.packed.device)
+        return stack_rows([weight, QuantWeight(zeros, weight.format, (missing, weight.shape[1]), packed=True)])
+    if isinstance(weight, DenseWeight):
+        return stack_rows([weight, DenseWeight(weight.tensor.new_zeros(missing, weight.shape[1]), weight.source)])
+    raise TypeError(f"cannot pad a {type(weight).__name__}")
+
+
 def stack_rows(weights: Sequence[Weight]) -> Weight:
     """One weight whose output rows are `weights`' rows in order: one QuantWeight when they share a format
     (bytes concatenated), one DenseWeight when all are dense of one dtype, else a StackedWeight."""
@@ -158,4 +172,16 @@ def stack_rows(weights: Sequence[Weight]) -> Weight:
             return stacked
     if all(isinstance(w, DenseWeight) for w in weights) and len({w.tensor.dtype for w in weights}) == 1:
         return DenseWeight(torch.cat([w.tensor for w in weights]), weights[0].source)
-    return StackedWeight(weights)
+    runs: list[list[Weight]] = []  # neighbours of one format fused: q and k of Q4_1 beside a Q8_0 v
+    for w in weights:
+        if runs and _fusable(runs[-1][-1], w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return StackedWeight([stack_rows(run) for run in runs])
+
+
+def _fusable(a: Weight, b: Weight) -> bool:
+    if isinstance(a, QuantWeight) and isinstance(b, QuantWeight):
+        return a.format == b.format
+    return isinstance(a, DenseWeight) and isinstance(b, DenseWeight) and a.tensor.dtype == b.tensor.dtype
