@@ -67,10 +67,17 @@ async def run(model, placement, prompts: list[list[int]], at_once: int, new: int
     backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
     core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
                     drafts=drafts, draft_tokens=8)
+    return await decode_rate(core, prompts, at_once, new)
+
+
+async def decode_rate(core: LaneCore, prompts, at_once: int, new: int) -> tuple[float, float | None]:
+    """Run greedy `prompts` through `core`, `at_once` at a time, then stop it: (decode tokens/s, the mean
+    accepted length or None). Decode tokens are each stream's after its first, over the first stream's
+    first token to the last one's last."""
     firsts, lasts, tokens = [], [], 0
     limiter = trio.Semaphore(at_once)
 
-    async def one(prompt: list[int]) -> None:
+    async def one(prompt) -> None:
         nonlocal tokens
         async with limiter:
             stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=new)))

@@ -20,18 +20,16 @@ from __future__ import annotations
 import gc
 import statistics
 import sys
-import time
 
 import torch
 import trio
 
+from drafts import decode_rate as drafts_decode_rate
 from drafts import workloads
 from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.core.backend import BackendWrapper
 from lanes.core.blocks import blocks_for
 from lanes.core.lane_core import LaneCore
-from lanes.core.sampling import SamplingParams
-from lanes.core.stream import Finished, Request, TokenEvent
 from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
 from lanes.gpu.device import choose, runner_for
@@ -63,33 +61,10 @@ async def decode_rate(backend: Counted, model, prompts, at_once: int, new: int, 
                     draft_tokens=most)
     graphs = backend.inner.graphs  # None without CUDA: nothing is replayed
     replayed, counted = graphs.passes["drafted"] if graphs else 0, backend.drafted
-    firsts, lasts, tokens = [], [], 0
-    limiter = trio.Semaphore(at_once)
-
-    async def one(prompt) -> None:
-        nonlocal tokens
-        async with limiter:
-            stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=new)))
-            seen = 0
-            async for event in stream.events:
-                if isinstance(event, TokenEvent):
-                    seen += 1
-                    (firsts if seen == 1 else lasts).append(time.perf_counter())
-                elif isinstance(event, Finished):
-                    tokens += event.completion_tokens - 1
-                    lasts.append(time.perf_counter())
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(core.run)
-        async with trio.open_nursery() as clients:
-            for prompt in prompts:
-                clients.start_soon(one, prompt)
-        stats = core.statistics()
-        await core.shutdown(0)
-    core.check_stopped()
+    rate, accepted = await drafts_decode_rate(core, prompts, at_once, new)
     drafted = backend.drafted - counted
     graphed = (graphs.passes["drafted"] - replayed) / drafted if drafted and graphs else None
-    return tokens / (max(lasts) - min(firsts)), stats.drafts.mean_accepted if stats.drafts else None, graphed
+    return rate, accepted, graphed
 
 
 def main_drafts(args) -> None:
