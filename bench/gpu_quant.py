@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 SHAPES = {"qkvo": (4096, 4096), "gate/up": (11008, 4096), "down": (4096, 11008)}

@@ -13,7 +13,6 @@ leaks and the server's resident memory over the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal

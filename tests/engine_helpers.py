@@ -10,7 +10,7 @@ import trio
 from lanes.core.fake import EOS, FakeBackend, fake_text
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
-from lanes.core.stream import Failed, Finished, PromptLogprobs, Request, TokenEvent
+from lanes.core.stream import Failed, Finished, Request, TokenEvent
 
 
 @dataclass

@@ -12,7 +12,7 @@ import trio
 from engine_helpers import Gated, collect, greedy, lanes_of, prompt, running, seeded, solo
 from lanes.core.fake import FakeBackend
 from lanes.core.sampling import InvalidParameter, SamplingParams
-from lanes.core.stream import EmptyPrompt, Failed, Finished, PromptTooLong, QueueFull, QueueTimeout, Request
+from lanes.core.stream import EmptyPrompt, Failed, PromptTooLong, QueueFull, QueueTimeout, Request
 
 
 async def test_up_to_16_prompts_go_in_one_pass_in_arrival_order():

@@ -7,7 +7,6 @@ nothing else could happen until the gate gave up. Every wait is under `trio.fail
 books are checked when the server stops.
 """
 
-import json
 import threading
 
 import httpx
