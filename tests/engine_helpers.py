@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import trio
 
+from lanes.core.backend import BackendWrapper
 from lanes.core.fake import EOS, FakeBackend, fake_text
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
@@ -109,3 +110,15 @@ class Gated(FakeBackend):
 def lanes_of(plan) -> list[tuple[int, int, int]]:
     """(lane, start, rows) for each piece of a plan, in order."""
     return [(w.piece.lane, w.piece.start, len(w.piece.tokens)) for w in plan.work]
+
+
+class Checked(BackendWrapper):
+    """Checks the lane core's books after every pass."""
+
+    core = None
+
+    async def step(self, plan, started=None, following=None):
+        result = await self.inner.step(plan, started, following)
+        if self.core is not None:  # None where the protocol test drives the wrapper alone
+            self.core.check_integrity()
+        return result

@@ -85,3 +85,19 @@ def assert_equals_transformers(model, transformers_model, steps: int = 8) -> Non
     assert ours[2] == theirs[2]
     pool.check_integrity()
     assert pool.free == pool.total
+
+
+def lanes_after_prefill(model, lengths):
+    """Random prompts of `lengths` prefilled in one pass, each in a table with room for 16 more tokens:
+    (pool, tables, the lanes' lengths, each lane's greedy next token)."""
+    pool = BlockPool(model.kv_blocks)
+    tables, pieces = [], []
+    g = torch.Generator().manual_seed(3)
+    for i, n in enumerate(lengths):
+        table = BlockTable(("lane", i))
+        table.reserve(pool, n + 16)
+        tables.append(table)
+        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
+        pieces.append(Piece(i, tuple(prompt), 0, tuple(table.blocks)))
+    last = model.decoder.forward(pieces)
+    return pool, tables, [p.end for p in pieces], last.argmax(-1).tolist()

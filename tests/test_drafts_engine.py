@@ -15,9 +15,8 @@ import pytest
 import trio
 
 import tiny
-from engine_helpers import collect, running
+from engine_helpers import Checked, collect, running
 from lanes.backend.torch_backend import TorchBackend, text_factory
-from lanes.core.backend import BackendWrapper
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request, TokenEvent
 from lanes.drafts.model import DraftModel
@@ -63,18 +62,6 @@ def requests(tokenizer) -> list[Request]:
             params.update(temperature=0)
         out.append(Request(prompt, SamplingParams(**params)))
     return out
-
-
-class Checked(BackendWrapper):
-    """Checks the lane core's books after every pass."""
-
-    core = None
-
-    async def step(self, plan, started=None, following=None):
-        result = await self.inner.step(plan, started, following)
-        if self.core is not None:  # None where the protocol test drives the wrapper alone
-            self.core.check_integrity()
-        return result
 
 
 async def run(model, batch: list[Request], at_once: int, drafts=None, most: int = 4, cache: bool = False):

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
+import scenario
 import tiny
 from lanes.core.passes import Piece
-from lanes.core.blocks import BlockPool, BlockTable
+from lanes.core.blocks import BlockTable
 from lanes.gpu.device import choose, cuda_device_count
 
 if cuda_device_count() == 0 and os.environ.get("TRITON_INTERPRET") != "1":
@@ -21,20 +22,6 @@ pytest.importorskip("triton")
 DEVICE = "cuda" if cuda_device_count() else "cpu"
 
 from lanes.loader import load_model  # noqa: E402
-
-
-def lanes_after_prefill(model, lengths):
-    pool = BlockPool(model.kv_blocks)
-    tables, pieces = [], []
-    g = torch.Generator().manual_seed(3)
-    for i, n in enumerate(lengths):
-        table = BlockTable(("lane", i))
-        table.reserve(pool, n + 16)
-        tables.append(table)
-        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-        pieces.append(Piece(i, tuple(prompt), 0, tuple(table.blocks)))
-    last = model.decoder.forward(pieces)
-    return pool, tables, [p.end for p in pieces], last.argmax(-1).tolist()
 
 
 def decode_inputs(model, tables, lengths, tokens, width):
@@ -56,7 +43,7 @@ def test_fast_decode_step_equals_the_eager_forward(kind, overrides, lanes, tmp_p
     torch.backends.cuda.matmul.allow_tf32 = False
     tiny.build(kind, tmp_path, **overrides)
     model = load_model(tmp_path, choose(DEVICE, "fp32"), kv_blocks=64, quiet=True)
-    pool, tables, lengths, tokens = lanes_after_prefill(model, lanes)
+    pool, tables, lengths, tokens = scenario.lanes_after_prefill(model, lanes)
     for _ in range(6):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
         eager = model.decoder.forward(pieces)
@@ -92,7 +79,7 @@ def test_graphed_decode_equals_the_eager_forward(kind, dtype, captured, tmp_path
         assert model.decoder.graph_safe
         graphs.capture(quiet=True)
         assert graphs.feeds  # captured: replays read the last draws
-    pool, tables, lengths, tokens = lanes_after_prefill(model, [5, 17, 33])
+    pool, tables, lengths, tokens = scenario.lanes_after_prefill(model, [5, 17, 33])
     agree = 0
     for step in range(8):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
@@ -133,7 +120,7 @@ def test_passes_with_short_prompts_equal_the_general_forward(dtype, captured, tm
     assert graphs.buckets[-1] == 40
     if captured:
         graphs.capture(quiet=True)
-    pool, tables, lengths, tokens = lanes_after_prefill(model, [5, 17])
+    pool, tables, lengths, tokens = scenario.lanes_after_prefill(model, [5, 17])
     for lane in (2, 3):
         tables.append(BlockTable(("lane", lane)))
         tables[-1].reserve(pool, 40)

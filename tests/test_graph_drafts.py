@@ -15,8 +15,7 @@ import torch
 import trio
 
 import tiny
-from engine_helpers import collect, running
-from lanes.core.backend import BackendWrapper
+from engine_helpers import Checked, collect, running
 from lanes.core.blocks import BlockPool, BlockTable
 from lanes.core.passes import Piece
 from lanes.core.sampling import SamplingParams
@@ -70,18 +69,6 @@ def test_drafted_rows_in_the_fast_step_equal_the_general_forward(model):
     for t in tables:
         t.clear(pool)
     pool.check_integrity()
-
-
-class Checked(BackendWrapper):
-    """Checks the lane core's books after every pass."""
-
-    core = None
-
-    async def step(self, plan, started=None, following=None):
-        result = await self.inner.step(plan, started, following)
-        if self.core is not None:  # None where the protocol test drives the wrapper alone
-            self.core.check_integrity()
-        return result
 
 
 def graphed_backend(model) -> TorchBackend:

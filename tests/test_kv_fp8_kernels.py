@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
+import scenario
 import tiny
-from lanes.core.blocks import BlockPool, BlockTable
 from lanes.core.passes import Piece
 from lanes.gpu import fp8
 from lanes.gpu.device import choose, cuda_device_count
@@ -139,20 +139,6 @@ def test_fp8_attention_stays_within_the_formats_bound_of_full_precision(lanes, h
             assert (error <= bound * (1 + 1e-4) + 1e-6).all(), (lane, head, (error - bound).max().item())
 
 
-def lanes_after_prefill(model, lengths):
-    pool = BlockPool(model.kv_blocks)
-    tables, pieces = [], []
-    g = torch.Generator().manual_seed(3)
-    for i, n in enumerate(lengths):
-        table = BlockTable(("lane", i))
-        table.reserve(pool, n + 16)
-        tables.append(table)
-        prompt = torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()
-        pieces.append(Piece(i, tuple(prompt), 0, tuple(table.blocks)))
-    last = model.decoder.forward(pieces)
-    return pool, tables, [p.end for p in pieces], last.argmax(-1).tolist()
-
-
 @pytest.mark.parametrize("kind, overrides, lanes", [
     ("qwen2", {}, [5, 17, 33]),
     ("glm4_moe", dict(num_hidden_layers=3, attention_bias=True, n_group=2, topk_group=1,
@@ -163,7 +149,7 @@ def test_the_fast_step_over_an_fp8_cache_equals_the_eager_forward_over_it(kind, 
     tiny.build(kind, tmp_path, **overrides)
     model = load_model(tmp_path, choose(DEVICE, "fp32"), kv_blocks=64, quiet=True, kv_cache="fp8")
     assert model.decoder.kv.fp8
-    pool, tables, lengths, tokens = lanes_after_prefill(model, lanes)
+    pool, tables, lengths, tokens = scenario.lanes_after_prefill(model, lanes)
     dev, width = model.placement.device, 8
     for _ in range(3):
         pieces = [Piece(i, (tok,), n, tuple(t.blocks)) for i, (tok, n, t) in enumerate(zip(tokens, lengths, tables))]
