@@ -53,7 +53,7 @@ def case(lanes: int, context: int):
     lens = torch.full((lanes,), context, dtype=torch.int64, device="cuda")
     q = torch.randn(lanes, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     spans = [RowSpan(context - 1, 1, order[i].tolist()) for i in range(lanes)]
-    return q, cache_k, cache_v, order, lens, PagedRows.build(spans, BS, torch.device("cuda"))
+    return q, cache_k, cache_v, order, lens, PagedRows(spans, BS, torch.device("cuda"))
 
 
 def main() -> None:

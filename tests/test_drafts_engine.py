@@ -11,10 +11,12 @@ CPU; the draft model is the target's own weights (its greedy drafts mostly right
 
 import random
 
+import gguf
 import pytest
 import trio
 
 import tiny
+import tiny_gguf
 from engine_helpers import Checked, collect, running
 from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.core.sampling import SamplingParams
@@ -24,6 +26,7 @@ from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
 from lanes.gpu.device import CpuRunner, choose
 from lanes.loader import load_model
+from lanes.quant.native import unavailable_reason
 
 LANES = 32
 
@@ -128,3 +131,26 @@ async def test_no_drafted_token_reaches_the_prompt_cache(family):
     _, _, kept = await run(model, batch, 8, DraftModel(family[2]()), 5, cache=True)
     plain_kept = (await run(model, batch, 8, cache=True))[2]
     assert (kept.entries, kept.held_bytes) == (plain_kept.entries, plain_kept.held_bytes)  # the prompts' blocks only
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("source", ["ngram", "self"])
+async def test_on_gguf_blocks_drafted_logprobs_are_the_plain_ones_bit_for_bit(source, tmp_path):
+    """Our CPU kernels (GGUF products, paged attention) compute a row alike whatever shares its pass."""
+    hf = tiny.build("llama", tmp_path / "hf", max_position_embeddings=512)
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write(hf, tmp_path / "hf", path, "llama", gguf.GGMLQuantizationType.Q8_0)
+    load = lambda: load_model(path, choose("cpu", "fp32"), kv_blocks=LANES * 12, quiet=True)  # noqa: E731
+    model = load()
+    assert model.weights_census().tensors.get("Q8_0", 0) > 0
+    batch = requests(model.tokenizer)
+    plain, _, _ = await run(model, batch, 32)
+    alone, _, _ = await run(model, batch[:6], 1)
+    drafts = NgramDrafter() if source == "ngram" else DraftModel(load())
+    drafted, stats, _ = await run(model, batch, 32, drafts, 8)
+    assert stats.drafts.accepted > 0, stats.drafts
+    for mine, theirs in ((drafted, plain), (alone, plain[:6])):
+        for d, p in zip(mine, theirs):
+            assert d.tokens == p.tokens and d.text == p.text
+            assert [e.logprob for e in d.events if isinstance(e, TokenEvent)] == \
+                [e.logprob for e in p.events if isinstance(e, TokenEvent)]

@@ -57,7 +57,7 @@ def test_paged_decode_attention_equals_the_gather_reference(dtype, lanes, hq, hk
     mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, lens, d**-0.5, 16, tile=16, splits=splits, fused=fused)
     if fused:  # the counters are left zeroed for the next call (a graph's next replay)
         assert not any(t.any() for t in paged_kernel._arrivals.values())
-    rows = PagedRows.build(spans, 16, torch.device(DEVICE))
+    rows = PagedRows(spans, 16, torch.device(DEVICE))
     ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), rows, d**-0.5)
     close(mine, ref, dtype)
 
@@ -85,7 +85,7 @@ def test_prompt_rows_sharing_a_table_row_attend_causally(dtype, prompts):
     q = torch.randn(len(lens), hq, d, generator=g).to(DEVICE, dtype)
     mine = kernels.paged_decode_attention(q, cache_k, cache_v, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                                           d**-0.5, 16, tile=16, table_rows=torch.tensor(table_rows, device=DEVICE))
-    ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), PagedRows.build(spans, 16, torch.device(DEVICE)), d**-0.5)
+    ref = paged_attention(q.float(), cache_k.float(), cache_v.float(), PagedRows(spans, 16, torch.device(DEVICE)), d**-0.5)
     close(mine, ref, dtype)
 
 

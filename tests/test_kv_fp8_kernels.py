@@ -84,7 +84,7 @@ def paged_case(g, lanes, hq, hkv, d, lengths, dtype):
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = torch.randn(lanes, hq, d, generator=g).to(DEVICE, dtype)
-    return q, k, v, table, lens, PagedRows.build(spans, 16, torch.device(DEVICE))
+    return q, k, v, table, lens, PagedRows(spans, 16, torch.device(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -101,7 +101,8 @@ def test_grouped_experts_equal_transformers_experts(grouped_mm, tokens, experts,
     weights = torch.rand(tokens, top_k, generator=generator)
     ours = Experts(ExpertLinear(reference.gate_up_proj.detach()), ExpertLinear(reference.down_proj.detach()))
     with torch.no_grad():
-        torch.testing.assert_close(ours(x, weights, ids), reference(x, ids, weights), rtol=0, atol=1e-6)
+        # 2e-6: on the CPU the activation is our silu (within 1.8 ulp of float64; torch's, the reference's, 1.5)
+        torch.testing.assert_close(ours(x, weights, ids), reference(x, ids, weights), rtol=0, atol=2e-6)
 
 
 def test_groups_read_their_counts_on_the_host_once():

@@ -1,12 +1,15 @@
-"""Attention over the paged KV cache: new K/V written to their slots, then ragged rows gathered for SDPA.
+"""Attention over the paged KV cache: new K/V written to their slots, then each row over its context.
 
-Built once a pass (`PagedRows.build`, host-side index math) and used by every layer. Decode on CUDA uses
-the Triton kernel of the fast step instead; this gather is exact and runs on every device. An fp8 cache
+`PagedRows` is built once a pass (host-side index math) and used by every layer. On the CPU an fp32 cache
+is read in place by our kernel (lanes/quant/cpu_attention.cpp), a row's result independent of the pass's
+other rows; elsewhere the ragged rows are gathered, padded and given to SDPA (decode on CUDA uses the
+Triton kernel of the fast step instead). An fp8 cache
 (`exponents` given) is written quantized and its gathered rows dequantized to q's dtype before SDPA.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -31,62 +34,67 @@ class RowSpan:
     blocks: Sequence[int]
 
 
-@dataclass(frozen=True)
 class PagedRows:
     """Index tensors for one pass, on the pass's device.
 
-    slots: [T] where each new token's K/V goes; q_index: [B*Q] row of the flat queries for each padded
-    query (0 for padding); k_slots: [B*K] slot of each padded key (0 for padding); mask: [B, 1, Q, K]
-    which keys a query sees (padding rows see key 0 only, so no row is empty); out_index: [T] padded row
-    of each flat query.
+    slots: [T] where each new token's K/V goes; key_slots: [N] every lane's context slots in order, lanes
+    one after another; row_first, row_len: [T] row t sees key_slots[first, first + len) (the CPU kernel's
+    tables, built eagerly). The gather path's tensors are built on first use: q_index [B*Q] row of the flat
+    queries for each padded query (0 for padding); k_slots [B*K] slot of each padded key (0 for padding);
+    mask [B, 1, Q, K] which keys a query sees (padding rows see key 0 only, so no row is empty); out_index
+    [T] padded row of each flat query.
     """
 
-    slots: torch.Tensor
-    q_index: torch.Tensor
-    k_slots: torch.Tensor
-    mask: torch.Tensor
-    out_index: torch.Tensor
-    lanes: int
-    max_q: int
-    max_k: int
-
-    @staticmethod
-    def build(spans: Sequence[RowSpan], block_size: int, device: torch.device) -> "PagedRows":
-        lanes = len(spans)
-        max_q = max(s.length for s in spans)
-        max_k = -(-max(s.start + s.length for s in spans) // KEY_ALIGN) * KEY_ALIGN
-        slots, q_index, out_index = [], np.zeros(lanes * max_q, np.int64), []
-        k_slots = np.zeros(lanes * max_k, np.int64)
-        mask = np.zeros((lanes, 1, max_q, max_k), np.bool_)
-        mask[:, :, :, 0] = True  # padding rows see key 0; real rows see it anyway
-        row = 0
-        for b, span in enumerate(spans):
+    def __init__(self, spans: Sequence[RowSpan], block_size: int, device: torch.device) -> None:
+        self.spans, self.device = spans, device
+        self.lanes = len(spans)
+        self.max_q = max(s.length for s in spans)
+        self.max_k = -(-max(s.start + s.length for s in spans) // KEY_ALIGN) * KEY_ALIGN
+        slots, key_slots, first, lens = [], [], [], []
+        offset = 0
+        for span in spans:
             end = span.start + span.length
             if len(span.blocks) * block_size < end:
                 raise ValueError(f"a block table of {len(span.blocks)} blocks cannot hold {end} tokens")
             positions = np.arange(end)
             lane_slots = np.asarray(span.blocks, np.int64)[positions // block_size] * block_size + positions % block_size
-            k_slots[b * max_k : b * max_k + end] = lane_slots
+            key_slots.append(lane_slots)
             slots.append(lane_slots[span.start :])
+            first.append(np.full(span.length, offset, np.int64))
+            lens.append(np.arange(span.start + 1, end + 1, dtype=np.int64))
+            offset += end
+        self._key_slots = np.concatenate(key_slots)
+        self.slots = self._put(np.concatenate(slots))
+        self.key_slots = self._put(self._key_slots)
+        self.row_first = self._put(np.concatenate(first))
+        self.row_len = self._put(np.concatenate(lens))
+
+    def _put(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    @functools.cached_property
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lanes, max_q, max_k = self.lanes, self.max_q, self.max_k
+        q_index, out_index = np.zeros(lanes * max_q, np.int64), []
+        k_slots = np.zeros(lanes * max_k, np.int64)
+        mask = np.zeros((lanes, 1, max_q, max_k), np.bool_)
+        mask[:, :, :, 0] = True  # padding rows see key 0; real rows see it anyway
+        row = offset = 0
+        for b, span in enumerate(self.spans):
+            end = span.start + span.length
+            k_slots[b * max_k : b * max_k + end] = self._key_slots[offset : offset + end]
             q_index[b * max_q : b * max_q + span.length] = np.arange(row, row + span.length)
             out_index.append(np.arange(b * max_q, b * max_q + span.length))
             query_pos = span.start + np.arange(span.length)
             mask[b, 0, : span.length, :max_k] = np.arange(max_k)[None, :] <= query_pos[:, None]
             row += span.length
+            offset += end
+        return self._put(q_index), self._put(k_slots), self._put(mask), self._put(np.concatenate(out_index))
 
-        def put(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device, non_blocking=True)
-
-        return PagedRows(
-            slots=put(np.concatenate(slots)),
-            q_index=put(q_index),
-            k_slots=put(k_slots),
-            mask=put(mask),
-            out_index=put(np.concatenate(out_index)),
-            lanes=lanes,
-            max_q=max_q,
-            max_k=max_k,
-        )
+    q_index = property(lambda self: self._gather[0])
+    k_slots = property(lambda self: self._gather[1])
+    mask = property(lambda self: self._gather[2])
+    out_index = property(lambda self: self._gather[3])
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: torch.Tensor, v: torch.Tensor,
@@ -103,9 +111,19 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: t
         exps.index_copy_(0, rows.slots, e)
 
 
+@functools.cache
+def cpu_kernel() -> bool:
+    """Whether the CPU's own attention kernel (lanes/quant/cpu_attention.cpp) runs here."""
+    from ..quant.native import unavailable_reason
+
+    return unavailable_reason() is None
+
+
 def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float,
                     exponents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each lane's new rows over its whole context. q: [T, Hq, D] -> [T, Hq, D]."""
+    if q.device.type == "cpu" and exponents is None and q.dtype == cache_k.dtype == torch.float32 and cpu_kernel():
+        return torch.ops.lanes_quant.paged_attention(q, cache_k, cache_v, rows.key_slots, rows.row_first, rows.row_len, scale)
     hq, d = q.shape[1], q.shape[2]
     hkv = cache_k.shape[1]
     # [B, Hq, Q, D] from the flat rows; [B, Hkv, K, D] from the cache.

@@ -52,7 +52,7 @@ class PassInputs:
         picked = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         self.logit_rows = torch.from_numpy(picked.astype(np.int64)).to(device, non_blocking=True)  # [R]
         spans = [RowSpan(p.start, len(p.tokens), p.blocks) for p in pieces]
-        self.paged = PagedRows.build(spans, block_size, device)
+        self.paged = PagedRows(spans, block_size, device)
         self.media_positions = self.media_rows = self.media_embeds = None
         if media is not None:
             self.media_positions = torch.from_numpy(media.positions).to(device, non_blocking=True)  # [3, T]

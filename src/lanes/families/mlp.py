@@ -4,10 +4,10 @@ down row-parallel. A dense layer's feed-forward, and an MoE block's shared exper
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..gpu.collective import Collective
 from ..quant import stack_rows
+from .activation import silu_mul
 from .linear import Linear, RowParallel
 from .weights import Reader, Shard
 
@@ -46,8 +46,7 @@ class GatedMLP:
 
     def act(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, hidden] (normed) -> silu(gate) * up: [T, I / world]."""
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul(self.gate_up(h))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: [T, hidden] (normed) -> [T, hidden], summed across ranks."""

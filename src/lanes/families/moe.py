@@ -12,9 +12,9 @@ the product loops over experts with rows, reading their counts on the host.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..gpu.collective import Collective
+from .activation import silu_mul
 from .config import ModelConfig, MoEConfig
 from .linear import ExpertLinear, Groups, Linear
 from .mlp import GatedMLP
@@ -40,8 +40,7 @@ class Experts:
         tokens = order // k  # [T * k]: the token of each sorted pick
         groups = Groups.of_sorted(picks.index_select(0, order), self.gate_up.weight.shape[0])
         rows = x.index_select(0, tokens)  # [T * k, hidden]
-        gate, up = self.gate_up.grouped(rows, groups).chunk(2, dim=-1)
-        out = self.down.grouped(F.silu(gate) * up, groups)  # [T * k, hidden]
+        out = self.down.grouped(silu_mul(self.gate_up.grouped(rows, groups)), groups)  # [T * k, hidden]
         out = (out * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
         picked = torch.empty_like(out).index_copy_(0, order, out).view(t, k, -1)  # back in (token, choice) order
         return picked.sum(dim=1, dtype=torch.float32).to(x.dtype)  # no atomics: the same sum every run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .config import ModelConfig
 
@@ -75,11 +76,23 @@ def _yarn(config: ModelConfig, factor: float, dim: int) -> tuple[torch.Tensor, f
     return interpolation * (1 - keep) + extrapolation * keep, float(attention)
 
 
+# Values of cos and sin computed by one op at most: under torch's grain for splitting an op across threads
+# (32768), and rows of whole vector steps, keep every value out of a vector loop's scalar tail (libm's cos
+# and sin differ from the vector ones by an ulp): so a position's values are the same in any pass.
+ROPE_VALUES = 16384
+
+
 def cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, rotary_dim] for positions [T], computed in float32 and cast as transformers does."""
+    width = 2 * inv_freq.shape[0]
+    padded = width + -width % 64
+    rows = max(1, ROPE_VALUES // padded)
+    if positions.shape[0] > rows:
+        parts = [cos_sin(inv_freq, scale, chunk, dtype) for chunk in positions.split(rows)]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    emb = F.pad(torch.cat((freqs, freqs), dim=-1), (0, padded - width))
+    return (emb.cos()[:, :width] * scale).to(dtype), (emb.sin()[:, :width] * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ThreadLocalState.h>
 #include <algorithm>
+#include <vector>
 
 #include "gguf_formats.h"
 
@@ -149,31 +149,67 @@ at::Tensor mm_tiles_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
   return out;
 }
 
+// out[t0 .. t0+TR, n0 .. n0+NR) of x [T, K] @ w.T for w rows already decoded to fp32 (`w` [N, K]), with
+// tile()'s fma chain exactly: so a row's result is the same whichever path, and however many rows, it took.
+template <int TR, int NR = kRowTile>
+inline void decoded_tile(const float* w, int64_t n0, int64_t N, int64_t K, const float* x, int64_t t0,
+                         float* out, int64_t ldo) {
+  const float* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = w + std::min(n0 + r, N - 1) * K;
+  __m512 acc[NR][TR];
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < TR; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K; c += 32) {
+    __m512 w0[NR], w1[NR];
+    for (int r = 0; r < NR; ++r) w0[r] = _mm512_loadu_ps(rows[r] + c), w1[r] = _mm512_loadu_ps(rows[r] + c + 16);
+    for (int t = 0; t < TR; ++t) {
+      const float* xp = x + (t0 + t) * K + c;
+      const __m512 x0 = _mm512_loadu_ps(xp), x1 = _mm512_loadu_ps(xp + 16);
+      for (int r = 0; r < NR; ++r) {
+        acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r)
+      if (n0 + r < N) out[(t0 + t) * ldo + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
 // x [T, k] fp32 @ w.T -> [T, n] fp32 panel by panel (the many-rows path): each thread decodes its panels of
-// at most `panel` rows to fp32 in its own scratch and multiplies by them with a one-thread BLAS call, so
-// decoding and multiplying overlap across threads instead of taking turns.
+// at most `panel` weight rows to fp32 once, in its own scratch, and multiplies every x row by them.
 at::Tensor mm_panels_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k, int64_t panel) {
   check_weight(w, kind, n, k);
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) == k, "lanes_quant: x must be fp32 [T, k]");
   TORCH_CHECK(panel > 0, "lanes_quant: panel must be positive");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
+  const int64_t T = x.size(0);
   // at least two panels a thread, so that the last one to finish waits for little
   const int64_t per = (n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
   const int64_t rows = std::min(panel, std::max<int64_t>(16, (per + 15) / 16 * 16));
   const int64_t panels = (n + rows - 1) / rows;
-  const at::ThreadLocalState state;  // OpenMP threads do not inherit inference mode; the BLAS call needs it
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   dispatch(kind, [&](auto q) {
     using Q = decltype(q);
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard guard(state);
-      at::Tensor scratch = at::empty({rows, k}, x.options());
+      std::vector<float> scratch(rows * k);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t first = p * rows, count = std::min(rows, n - first);
-        at::Tensor decoded = scratch.narrow(0, 0, count);
-        decode_range<Q>(w.data_ptr<uint8_t>(), w.size(1), k, first, count, decoded.data_ptr<float>());
-        at::Tensor part = out.narrow(1, first, count);
-        at::mm_out(part, xc, decoded.t());
+        decode_range<Q>(w.data_ptr<uint8_t>(), w.size(1), k, first, count, scratch.data());
+        float* part = op + first;  // the panel's columns of out, row stride n
+        int64_t t0 = 0;
+        for (; t0 + kXTile <= T; t0 += kXTile)
+          for (int64_t n0 = 0; n0 < count; n0 += kRowTile) decoded_tile<kXTile>(scratch.data(), n0, count, k, xp, t0, part, n);
+        for (int64_t n0 = 0; n0 < count; n0 += kRowTile) {
+          switch (T - t0) {
+            case 1: decoded_tile<1>(scratch.data(), n0, count, k, xp, t0, part, n); break;
+            case 2: decoded_tile<2>(scratch.data(), n0, count, k, xp, t0, part, n); break;
+            case 3: decoded_tile<3>(scratch.data(), n0, count, k, xp, t0, part, n); break;
+            default: break;
+          }
+        }
       }
     });
   });

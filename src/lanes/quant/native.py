@@ -1,4 +1,5 @@
-"""The C++ kernels (gguf_kernels.cpp): compiled on first use with the machine's C++ compiler, cached under
+"""The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; cpu_attention.cpp: paged attention;
+cpu_activation.cpp: the gated MLP's silu): compiled on first use with the machine's C++ compiler, cached under
 `$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
 torch.compile can trace through them)."""
 
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gguf_kernels.cpp")
-HEADERS = [Path(__file__).with_name("gguf_formats.h")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "cpu_attention.cpp", "cpu_activation.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "cpu_math.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
 
@@ -54,10 +55,10 @@ def _build():
     # torch rebuilds when the sources or flags change; the header's digest in the flags covers it too
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     try:
-        load("lanes_quant", [str(SOURCE)], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"],
+        load("lanes_quant", [str(s) for s in SOURCES], extra_cflags=[*CFLAGS, f"-DLANES_QUANT_HEADERS={digest}"],
              extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as error:
-        raise KernelsUnavailable(f"building {SOURCE.name} failed ({str(error).splitlines()[0]})") from None
+        raise KernelsUnavailable(f"building the kernels failed ({str(error).splitlines()[0]})") from None
     _register_fakes()
     return torch.ops.lanes_quant
 
@@ -84,6 +85,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::mm_panels")
     def _(x, w, kind, n, k, panel):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::paged_attention")
+    def _(q, cache_k, cache_v, key_slots, row_first, row_len, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("lanes_quant::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
     @torch.library.register_fake("lanes_quant::take_rows")
     def _(w, ids, kind, n, k):

@@ -1,0 +1,160 @@
+// Causal attention over the paged KV cache on the CPU (AVX-512), registered as `lanes_quant::paged_attention`.
+//
+// Each query row is computed on its own, in an order fixed by its own context alone: a score is one fma
+// chain over the head's dimensions, the softmax sums its keys in order, and the output adds the values in
+// order. So a row's result does not depend on which other rows share the pass (a drafted lane's 1 + k
+// rows, other lanes, a prompt beside it): the property that makes drafted decoding equal plain decoding.
+// Keys are read through their slots where they lie; nothing is gathered or padded.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace {
+
+using lanes_quant::exp_nonpositive;
+
+inline __mmask16 head_mask(int64_t d, int64_t i) {  // lanes of dimensions [i, i + 16) inside the head
+  return static_cast<__mmask16>(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+}
+
+// Lane p of the result: the sum of a[p]'s 16 lanes, by a tree whose order depends on p alone.
+inline __m512 sums16(const __m512* a) {
+  __m512 u[8], w[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(u[2 * i]), y = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// One query row and one KV head: `group` query heads (GQA) over the row's `len` keys at `slots`; NV
+// vectors of 16 cover a head of d dimensions. Key j's score is one fma chain over d and sums16's lane
+// j % 16, its softmax weight is summed in lane j % 16, its value added in order j: all fixed by j alone.
+template <int NV>
+void attend(const float* q, const float* ck, const float* cv, const int64_t* slots, int64_t len, int64_t group,
+            int64_t kv_heads, int64_t kv_head, int64_t d, float scale, float* out, std::vector<float>& p) {
+  const int64_t padded = (len + 15) / 16 * 16;
+  p.resize(group * (padded + 1));
+  float* totals = p.data() + group * padded;  // each head's sum of weights
+  __mmask16 dims[NV];
+  for (int v = 0; v < NV; ++v) dims[v] = head_mask(d, v * 16);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < group; ++h) {
+    float* ph = p.data() + h * padded;
+    __m512 qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = _mm512_maskz_loadu_ps(dims[v], q + h * d + v * 16);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {  // past the last key, the last key again (its weight masked to 0 below)
+        const float* kj = ck + (slots[std::min(j0 + i, len - 1)] * kv_heads + kv_head) * d;
+        acc[i] = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(dims[0], kj));
+        for (int v = 1; v < NV; ++v) acc[i] = _mm512_fmadd_ps(qv[v], _mm512_maskz_loadu_ps(dims[v], kj + v * 16), acc[i]);
+      }
+      const __m512 scores = _mm512_mul_ps(sums16(acc), scale16);
+      _mm512_storeu_ps(ph + j0, scores);
+      top = _mm512_mask_max_ps(top, head_mask(len, j0), top, scores);
+    }
+    const __m512 top16 = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(head_mask(len, j0), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(ph + j0), top16)));
+      _mm512_storeu_ps(ph + j0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    totals[h] = _mm512_reduce_add_ps(sum);
+  }
+  constexpr int kHeads = NV <= 16 ? 16 / NV : 1;  // heads whose outputs fit in 16 accumulators at once
+  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+    const int64_t heads = std::min<int64_t>(kHeads, group - h0);
+    __m512 acc[kHeads][NV];
+    for (int h = 0; h < kHeads; ++h)
+      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      const float* vj = cv + (slots[j] * kv_heads + kv_head) * d;
+      __m512 values[NV];
+      for (int v = 0; v < NV; ++v) values[v] = _mm512_maskz_loadu_ps(dims[v], vj + v * 16);
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= heads) break;
+        const __m512 w = _mm512_set1_ps(p[(h0 + h) * padded + j]);
+        for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_fmadd_ps(w, values[v], acc[h][v]);
+      }
+    }
+    for (int h = 0; h < heads; ++h) {
+      const __m512 inv = _mm512_set1_ps(1.0f / totals[h0 + h]);
+      for (int v = 0; v < NV; ++v)
+        _mm512_mask_storeu_ps(out + (h0 + h) * d + v * 16, dims[v], _mm512_mul_ps(acc[h][v], inv));
+    }
+  }
+}
+
+template <int NV>
+void attend_rows(const float* qp, const float* kp, const float* vp, const int64_t* sp, const int64_t* fp, const int64_t* lp,
+                 int64_t t_rows, int64_t hq, int64_t hkv, int64_t d, float scale, float* op) {
+  const int64_t group = hq / hkv;
+  at::parallel_for(0, t_rows * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / hkv, g = i % hkv;
+      attend<NV>(qp + (t * hq + g * group) * d, kp, vp, sp + fp[t], lp[t], group, hkv, g, d, scale,
+                 op + (t * hq + g * group) * d, p);
+    }
+  });
+}
+
+// q [T, Hq, D] fp32; cache_k, cache_v [S, Hkv, D] fp32; key_slots [N] int64 (each lane's context slots in
+// order, lanes one after another); row_first [T], row_len [T] int64: row t sees key_slots[first, first + len).
+at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                              const at::Tensor& key_slots, const at::Tensor& row_first, const at::Tensor& row_len,
+                              double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.dim() == 3, "lanes_quant: q must be fp32 [T, Hq, D]");
+  TORCH_CHECK(cache_k.dtype() == at::kFloat && cache_k.dim() == 3 && cache_k.is_contiguous() &&
+              cache_v.sizes() == cache_k.sizes() && cache_v.dtype() == at::kFloat && cache_v.is_contiguous(),
+              "lanes_quant: the caches must be contiguous fp32 [S, Hkv, D]");
+  const int64_t t_rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = cache_k.size(1);
+  TORCH_CHECK(cache_k.size(2) == d && hq % hkv == 0 && d <= 256, "lanes_quant: head shapes do not match");
+  TORCH_CHECK(row_first.dtype() == at::kLong && row_len.dtype() == at::kLong && key_slots.dtype() == at::kLong &&
+              row_first.numel() == t_rows && row_len.numel() == t_rows, "lanes_quant: row tables must be int64 [T]");
+  const at::Tensor qc = q.contiguous(), ks = key_slots.contiguous(), first = row_first.contiguous(), lens = row_len.contiguous();
+  const int64_t* fp = first.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* sp = ks.data_ptr<int64_t>();
+  const int64_t slots_total = cache_k.size(0), keys = ks.numel();
+  for (int64_t t = 0; t < t_rows; ++t)
+    TORCH_CHECK(lp[t] > 0 && fp[t] >= 0 && fp[t] + lp[t] <= keys, "lanes_quant: a row's keys are out of range");
+  for (int64_t i = 0; i < keys; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < slots_total, "lanes_quant: a key slot is out of range");
+  at::Tensor out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = cache_k.data_ptr<float>();
+  const float* vp = cache_v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  switch ((d + 15) / 16) {
+#define LANES_ATTEND(NV) case NV: attend_rows<NV>(qp, kp, vp, sp, fp, lp, t_rows, hq, hkv, d, sc, op); break;
+    LANES_ATTEND(1) LANES_ATTEND(2) LANES_ATTEND(3) LANES_ATTEND(4) LANES_ATTEND(5) LANES_ATTEND(6)
+    LANES_ATTEND(7) LANES_ATTEND(8) LANES_ATTEND(9) LANES_ATTEND(10) LANES_ATTEND(11) LANES_ATTEND(12)
+    LANES_ATTEND(13) LANES_ATTEND(14) LANES_ATTEND(15) LANES_ATTEND(16)
+#undef LANES_ATTEND
+    default: TORCH_CHECK(false, "lanes_quant: a head of ", d, " dimensions is past the kernel's 256");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lanes_quant, m) {
+  m.def("paged_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor key_slots, Tensor row_first, "
+        "Tensor row_len, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lanes_quant, CPU, m) { m.impl("paged_attention", &paged_attention_op); }

@@ -1,0 +1,112 @@
+"""The CPU path's own kernels besides the products: paged attention (lanes/quant/cpu_attention.cpp) against
+torch's SDPA in float64, the MLP's silu (cpu_activation.cpp) against torch's, and RoPE's cos and sin; and
+their batch invariance: a row's output is the same, bit for bit, whichever rows share its pass (alone, as
+one of a drafted lane's 1 + k rows, beside other lanes long or short, beside a prompt being prefilled).
+
+Rules: random caches, queries and activations made here; scattered block tables; the references are torch's
+scaled_dot_product_attention over each lane's own gathered context in float64, and torch's silu in float64;
+skipped only where the kernels cannot be built.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lanes.families.activation import silu_mul
+from lanes.families.rope import cos_sin
+from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
+from lanes.quant.native import unavailable_reason
+
+BS = 16
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="the CPU kernels cannot be built here")
+
+
+def caches(slots: int, kv_heads: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(slots, kv_heads, d, generator=g), torch.randn(slots, kv_heads, d, generator=g)
+
+
+def tables(count: int, blocks: int, seed: int = 1) -> list[list[int]]:
+    """`count` disjoint block tables of `blocks` blocks each, scattered over the pool."""
+    order = torch.randperm(count * blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [order[i * blocks : (i + 1) * blocks] for i in range(count)]
+
+
+def reference(q, ck, cv, spans, scale):
+    """Each lane's rows over its own context, causal, in float64."""
+    out, row = [], 0
+    for span in spans:
+        end = span.start + span.length
+        pos = torch.arange(end)
+        slots = torch.tensor(span.blocks)[pos // BS] * BS + pos % BS
+        k, v = ck[slots].double().transpose(0, 1), cv[slots].double().transpose(0, 1)  # [Hkv, L, D]
+        rows = q[row : row + span.length].double().transpose(0, 1)  # [Hq, n, D]
+        mask = torch.arange(end)[None, :] <= (span.start + torch.arange(span.length))[:, None]
+        groups = q.shape[1] // ck.shape[1]
+        att = F.scaled_dot_product_attention(rows, k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0),
+                                             attn_mask=mask, scale=scale)
+        out.append(att.transpose(0, 1))
+        row += span.length
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 3, 80), (2, 1, 16)])
+def test_rows_equal_sdpa_in_float64(heads, kv_heads, d):
+    ck, cv = caches(64 * BS, kv_heads, d)
+    blocks = tables(4, 16)
+    spans = [RowSpan(0, 37, blocks[0]), RowSpan(99, 1, blocks[1]), RowSpan(250, 6, blocks[2]), RowSpan(15, 2, blocks[3])]
+    q = torch.randn(46, heads, d, generator=torch.Generator().manual_seed(2))
+    got = paged_attention(q, ck, cv, PagedRows(spans, BS, torch.device("cpu")), d**-0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, ck, cv, spans, d**-0.5), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(length):
+    heads, kv_heads, d = 9, 3, 64
+    ck, cv = caches(64 * BS, kv_heads, d)
+    mine, long, prompt = tables(3, 20)
+    q = torch.randn(80, heads, d, generator=torch.Generator().manual_seed(3))
+    drafted = q[:9]  # the lane's last 9 rows; its own row is the last
+    at = length - 1
+
+    def row_of(spans, queries, index):
+        return paged_attention(queries, ck, cv, PagedRows(spans, BS, torch.device("cpu")), d**-0.5)[index]
+
+    alone = row_of([RowSpan(at, 1, mine)], drafted[8:], 0)
+    verify = min(9, length)  # as the last of a drafted lane's rows
+    assert torch.equal(row_of([RowSpan(length - verify, verify, mine)], drafted[9 - verify :], verify - 1), alone)
+    beside = torch.cat([q[20:21], drafted[8:], q[30:70]])
+    spans = [RowSpan(310, 1, long), RowSpan(at, 1, mine), RowSpan(0, 40, prompt)]
+    assert torch.equal(row_of(spans, beside, 1), alone)
+
+
+def test_a_slot_outside_the_cache_is_refused():
+    ck, cv = caches(4 * BS, 1, 16)
+    rows = PagedRows([RowSpan(0, 2, [9])], BS, torch.device("cpu"))  # block 9 is past the 4-block cache
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_attention(torch.randn(2, 1, 16), ck, cv, rows, 0.25)
+
+
+@pytest.mark.parametrize("width", [96, 100, 1536])
+def test_silu_mul_equals_torchs_in_float64_and_a_row_does_not_depend_on_the_others(width):
+    gate_up = torch.randn(700, 2 * width, generator=torch.Generator().manual_seed(4)) * 6
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -88.0])
+    got = silu_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-30)
+    for rows in (1, 3, 33, 699):
+        assert torch.equal(silu_mul(gate_up[:rows]), got[:rows]), rows
+    assert torch.equal(silu_mul(gate_up[5:6]), got[5:6])
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 64, 128, 256])
+def test_a_positions_cos_and_sin_are_the_same_in_any_pass(rotary_dim):
+    inv_freq = 10000.0 ** -(torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    positions = torch.randint(0, 100_000, (3000,), generator=torch.Generator().manual_seed(5))
+    cos, sin = cos_sin(inv_freq, 1.0, positions, torch.float32)
+    angles = positions.double()[:, None] * inv_freq.double()[None, :]
+    torch.testing.assert_close(cos[:, : rotary_dim // 2].double(), torch.cos(angles.float().double()), rtol=0, atol=1e-6)
+    for i in (0, 7, 2999):
+        one, other = cos_sin(inv_freq, 1.0, positions[i : i + 1], torch.float32)
+        assert torch.equal(one[0], cos[i]) and torch.equal(other[0], sin[i])
