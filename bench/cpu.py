@@ -4,7 +4,7 @@
                         [--llama-python PY]
 
 One command: the first run makes bench/.venv-llamacpp (ignored by git) and builds llama-cpp-python 0.3.36
-in it (about 10 minutes on 2 cores; AVX-512 kernels without AMX, see LLAMA_CMAKE_ARGS), unless
+in it (about 10 minutes on 2 cores; the CPU's own kernels without AMX, see GGML_FLAGS), unless
 `--llama-python` names a Python that has it; it is never a dependency of lanes. Each contender is a worker process that loads the model once (its resident memory is
 read from /proc before and after the load), then answers requests: greedy, end-of-sequence ignored, the
 same random prompts of `--prompt-len` tokens to all, `--new` tokens a stream. lanes runs N concurrent
@@ -28,9 +28,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LLAMA_VENV = HERE / ".venv-llamacpp"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
-# AVX-512 kernels but not AMX: its AMX matmul dies here with SIGILL (a tileloadd in a worker thread)
-LLAMA_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
+# ggml's x86 kernels this CPU has (its /proc/cpuinfo flags), but not AMX: its AMX matmul died with SIGILL on
+# an Intel host here (a tileloadd in a worker thread); a kernel the CPU lacks (AVX-VNNI on AMD) dies the same way
+GGML_FLAGS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+              "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AVX_VNNI": "avx_vnni"}
+
+
+def llama_cmake_args() -> str:
+    flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), []))
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for name, flag in GGML_FLAGS.items()])
 
 
 def rss_mb() -> float:
@@ -191,7 +198,7 @@ def llama_python(given: str | None) -> str:
     if not python.exists():
         print(f"building {LLAMA_CPP} in {LLAMA_VENV} (once; about 10 minutes on 2 cores) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(LLAMA_VENV)], check=True)
-        env = dict(os.environ, CMAKE_ARGS=LLAMA_CMAKE_ARGS)
+        env = dict(os.environ, CMAKE_ARGS=llama_cmake_args())
         subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-cache-dir", LLAMA_CPP], check=True, env=env)
     return str(python)
 

@@ -1,11 +1,13 @@
 """Drafted equals plain on the default model: the same requests with drafts off and on give the same tokens
 (and logprobs within 1e-5), greedy and seeded, for draft lengths 1 to 8, at 1, 8 and 32 streams at once.
 
-    python bench/drafts_exact.py [--prompts 200] [--new 64] [--streams 1,8,32] [--tokens 1,4,8] [--methods ngram,suffix]
+    python bench/drafts_exact.py [--prompts 200] [--new 64] [--streams 1,8,32] [--tokens 1,4,8] [--methods ngram,suffix,model]
 
 Prompts alternate the two workloads of bench/drafts.py; seeded rows sample at temperature 0.8, top-p 0.9.
 Load control is off here, so every lane drafts its full length whenever its source finds a draft. Prints
-one line a setting: requests whose tokens equal the plain run's, and the largest logprob difference.
+one line a setting: requests whose tokens equal the plain run's (at the largest concurrency), and the largest
+logprob difference; `off` lines are plain runs at another concurrency. `model` drafts with a second copy of
+the default model (the same tokenizer, so every greedy draft is right).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from lanes.core.blocks import blocks_for
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Request, TokenEvent
+from lanes.drafts.model import DraftModel
 from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
 from lanes.gpu.device import choose, runner_for
@@ -68,19 +71,28 @@ def main() -> None:
         prompt = tuple(model.tokenizer.encode_chat([{"role": "user", "content": f"{text} ({i})"}]))
         params = dict(temperature=0) if i % 2 == 0 else dict(temperature=0.8, top_p=0.9, seed=i)
         requests.append(Request(prompt, SamplingParams(max_tokens=args.new, logprobs=True, **params)))
-    sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
+    sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "model": lambda: DraftModel(
+        load_model(resolve_model(DEFAULT_MODEL), placement, kv_blocks=max(counts) * blocks_for(1024)))}
     print(f"{'streams':>7} {'method':>7} {'k':>3} {'equal':>9} {'max |dlogprob|':>15}")
+    # products and attention compute a row alike in any pass, so plain at one concurrency is the reference
+    # for every other; plain at the others is compared with it too
+    reference_at = max(counts)
+    print(f"{reference_at} streams, drafts off (the reference) ...", file=sys.stderr, flush=True)
+    plain = trio.run(run, model, placement, requests, reference_at, None, 1)
     for n in counts:
-        print(f"{n} streams, drafts off ...", file=sys.stderr, flush=True)
-        plain = trio.run(run, model, placement, requests, n, None, 1)
+        if n != reference_at:
+            print(f"{n} streams, drafts off ...", file=sys.stderr, flush=True)
+            report(n, "off", 0, trio.run(run, model, placement, requests, n, None, 1), plain)
         for method in args.methods.split(","):
             for most in (int(k) for k in args.tokens.split(",")):
                 print(f"{n} streams, {method}, k {most} ...", file=sys.stderr, flush=True)
-                drafted = trio.run(run, model, placement, requests, n, sources[method](), most)
-                equal = sum([t for t, _ in d] == [t for t, _ in p] for d, p in zip(drafted, plain))
-                worst = max((abs(a[1] - b[1]) for d, p in zip(drafted, plain) for a, b in zip(d, p)), default=0.0)
-                print(f"{n:>7} {method:>7} {most:>3} {equal:>4}/{len(requests):<4} {worst:>15.2e}", flush=True)
+                report(n, method, most, trio.run(run, model, placement, requests, n, sources[method](), most), plain)
 
+
+def report(n: int, method: str, most: int, drafted: list[list], plain: list[list]) -> None:
+    equal = sum([t for t, _ in d] == [t for t, _ in p] for d, p in zip(drafted, plain))
+    worst = max((abs(a[1] - b[1]) for d, p in zip(drafted, plain) for a, b in zip(d, p)), default=0.0)
+    print(f"{n:>7} {method:>7} {most:>3} {equal:>4}/{len(plain):<4} {worst:>15.2e}", flush=True)
 
 if __name__ == "__main__":
     main()

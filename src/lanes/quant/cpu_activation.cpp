@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_math.h"
+#include "cpu_pool.h"
 
 namespace {
 
@@ -21,7 +22,7 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* gate = xp + t * 2 * width;
       const float* up = gate + width;

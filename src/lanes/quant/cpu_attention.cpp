@@ -13,10 +13,12 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "cpu_pool.h"
 
 namespace {
 
 using lanes_quant::exp_nonpositive;
+using lanes_quant::parallel_for;
 
 inline __mmask16 head_mask(int64_t d, int64_t i) {  // lanes of dimensions [i, i + 16) inside the head
   return static_cast<__mmask16>(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
@@ -101,7 +103,7 @@ template <int NV>
 void attend_rows(const float* qp, const float* kp, const float* vp, const int64_t* sp, const int64_t* fp, const int64_t* lp,
                  int64_t t_rows, int64_t hq, int64_t hkv, int64_t d, float scale, float* op) {
   const int64_t group = hq / hkv;
-  at::parallel_for(0, t_rows * hkv, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, t_rows * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / hkv, g = i % hkv;

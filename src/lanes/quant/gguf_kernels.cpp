@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gguf_formats.h"
+#include "cpu_pool.h"
 
 namespace {
 
@@ -56,13 +57,13 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int
 template <class Q>
 void mm_tiles(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t T, float* out) {
   if (T == 1) {  // one x row: eight weight rows a tile give eight independent fma chains (sixteen spill)
-    at::parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
+    parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) tile<Q, 1, 8>(w, row_bytes, i * 8, N, K, x, 0, out);
     });
     return;
   }
   const int64_t tiles = (N + kRowTile - 1) / kRowTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kRowTile;
       int64_t t0 = 0;
@@ -98,7 +99,7 @@ inline void decode_row(const uint8_t* row, int64_t K, float* out) {
 // Rows `ids` of w decoded into dst [len(ids), K] fp32.
 template <class Q>
 void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t K, const int64_t* ids, int64_t count, float* dst) {
-  at::parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
+  parallel_for(0, count, 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) decode_row<Q>(w + ids[i] * row_bytes, K, dst + i * K);
   });
 }
@@ -193,7 +194,7 @@ at::Tensor mm_panels_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
   float* op = out.data_ptr<float>();
   dispatch(kind, [&](auto q) {
     using Q = decltype(q);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(rows * k);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t first = p * rows, count = std::min(rows, n - first);

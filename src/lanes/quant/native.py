@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "cpu_attention.cpp", "cpu_activation.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "cpu_math.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "cpu_math.h", "cpu_pool.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
 
