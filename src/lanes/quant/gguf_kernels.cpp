@@ -19,6 +19,10 @@ using namespace lanes_quant;
 constexpr int64_t kChunk = 64;  // groups whose scales are converted at once: a multiple of 8 (K-quant super-blocks)
 constexpr int kRowTile = 4;  // weight rows decoded together: four independent accumulator chains at one x row
 constexpr int kXTile = 4;    // x rows sharing a decoded group: 16 accumulators, 8 decoded vectors, 2 x vectors
+// mm_tiles from 2 x rows: 2 weight rows by 8 x rows (16 accumulators), so a group is decoded once for 8 x
+// rows, not 4 (a drafted lane's 1 + k rows). Every accumulator's chain is the same whatever the tile.
+constexpr int kFewRows = 2;
+constexpr int kFewX = 8;
 
 // out[t0 .. t0+TR, n0 .. n0+NR) of x [T, K] @ w.T; rows past N repeat the last one and are not stored.
 template <class Q, int TR, int NR = kRowTile>
@@ -62,16 +66,16 @@ void mm_tiles(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const f
     });
     return;
   }
-  const int64_t tiles = (N + kRowTile - 1) / kRowTile;
+  const int64_t tiles = (N + kFewRows - 1) / kFewRows;
   parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t n0 = i * kRowTile;
+      const int64_t n0 = i * kFewRows;
       int64_t t0 = 0;
-      for (; t0 + kXTile <= T; t0 += kXTile) tile<Q, kXTile>(w, row_bytes, n0, N, K, x, t0, out);
+      for (; t0 + kFewX <= T; t0 += kFewX) tile<Q, kFewX, kFewRows>(w, row_bytes, n0, N, K, x, t0, out);
       switch (T - t0) {
-        case 1: tile<Q, 1>(w, row_bytes, n0, N, K, x, t0, out); break;
-        case 2: tile<Q, 2>(w, row_bytes, n0, N, K, x, t0, out); break;
-        case 3: tile<Q, 3>(w, row_bytes, n0, N, K, x, t0, out); break;
+#define LANES_REST(TR) case TR: tile<Q, TR, kFewRows>(w, row_bytes, n0, N, K, x, t0, out); break;
+        LANES_REST(1) LANES_REST(2) LANES_REST(3) LANES_REST(4) LANES_REST(5) LANES_REST(6) LANES_REST(7)
+#undef LANES_REST
         default: break;
       }
     }
