@@ -24,6 +24,27 @@ constexpr int kXTile = 4;    // x rows sharing a decoded group: 16 accumulators,
 constexpr int kFewRows = 2;
 constexpr int kFewX = 8;
 
+// The one fma chain of every product: a group's two weight vectors of NR rows into TR x rows' accumulators
+// (x at the group's first column of the first row, rows K apart). Both paths use it, so a row's bits agree.
+template <int TR, int NR>
+inline void add_group(const __m512* w0, const __m512* w1, const float* x, int64_t K, __m512 (&acc)[NR][TR]) {
+  for (int t = 0; t < TR; ++t) {
+    const __m512 x0 = _mm512_loadu_ps(x + t * K), x1 = _mm512_loadu_ps(x + t * K + 16);
+    for (int r = 0; r < NR; ++r) {
+      acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
+      acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
+    }
+  }
+}
+
+// Each accumulator's sum into out[t * ldo + n0 + r], rows past N (repeats of the last) not stored.
+template <int TR, int NR>
+inline void store_tile(__m512 (&acc)[NR][TR], int64_t n0, int64_t N, float* out, int64_t ldo) {
+  for (int t = 0; t < TR; ++t)
+    for (int r = 0; r < NR; ++r)
+      if (n0 + r < N) out[t * ldo + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
 // out[t0 .. t0+TR, n0 .. n0+NR) of x [T, K] @ w.T; rows past N repeat the last one and are not stored.
 template <class Q, int TR, int NR = kRowTile>
 inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int64_t K, const float* x,
@@ -43,19 +64,10 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int
       const int64_t g = c0 + i;
       __m512 w0[NR], w1[NR];
       for (int r = 0; r < NR; ++r) Q::group(rows[r], g, scale[r] + i * Q::kScales, offset[r] + i, w0[r], w1[r]);
-      for (int t = 0; t < TR; ++t) {
-        const float* xp = x + (t0 + t) * K + g * 32;
-        const __m512 x0 = _mm512_loadu_ps(xp), x1 = _mm512_loadu_ps(xp + 16);
-        for (int r = 0; r < NR; ++r) {
-          acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
-          acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
-        }
-      }
+      add_group<TR, NR>(w0, w1, x + t0 * K + g * 32, K, acc);
     }
   }
-  for (int t = 0; t < TR; ++t)
-    for (int r = 0; r < NR; ++r)
-      if (n0 + r < N) out[(t0 + t) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_tile<TR, NR>(acc, n0, N, out + t0 * N, N);
 }
 
 template <class Q>
@@ -167,18 +179,9 @@ inline void decoded_tile(const float* w, int64_t n0, int64_t N, int64_t K, const
   for (int64_t c = 0; c < K; c += 32) {
     __m512 w0[NR], w1[NR];
     for (int r = 0; r < NR; ++r) w0[r] = _mm512_loadu_ps(rows[r] + c), w1[r] = _mm512_loadu_ps(rows[r] + c + 16);
-    for (int t = 0; t < TR; ++t) {
-      const float* xp = x + (t0 + t) * K + c;
-      const __m512 x0 = _mm512_loadu_ps(xp), x1 = _mm512_loadu_ps(xp + 16);
-      for (int r = 0; r < NR; ++r) {
-        acc[r][t] = _mm512_fmadd_ps(w0[r], x0, acc[r][t]);
-        acc[r][t] = _mm512_fmadd_ps(w1[r], x1, acc[r][t]);
-      }
-    }
+    add_group<TR, NR>(w0, w1, x + t0 * K + c, K, acc);
   }
-  for (int t = 0; t < TR; ++t)
-    for (int r = 0; r < NR; ++r)
-      if (n0 + r < N) out[(t0 + t) * ldo + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+  store_tile<TR, NR>(acc, n0, N, out + t0 * ldo, ldo);
 }
 
 // x [T, k] fp32 @ w.T -> [T, n] fp32 panel by panel (the many-rows path): each thread decodes its panels of
