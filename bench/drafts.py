@@ -1,13 +1,16 @@
 """Speculative drafts on the CPU: decode tokens/s with drafts off and on, in one run, at 1, 8 and 32 streams.
 
-    python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--runs 1]
+    python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--draft-tokens 8]
+                           [--runs 1]
 
-Two fixed workloads, chat requests to the default model, greedy: `input-grounded` (repeat, quote or copy a
-given passage, where the answer repeats its input) and `open-ended` (stories and explanations). At N streams,
-N requests run at once (at 1 stream, 4 one after another). Decode tokens/s counts each stream's tokens after
-its first, over the time from the first stream's first token to the last one's last; drafts are sized by
-the lane core's load control, as `lanes serve --draft` runs them. Prints one table: tokens/s off, each
-method's tokens/s, its ratio to off, and its mean accepted draft tokens a drafted piece.
+Two fixed workloads of 32 chat requests each to the default model, greedy: `input-grounded` (repeat, quote
+or copy a given passage, where the answer repeats its input) and `open-ended` (stories and explanations).
+At N streams all 32 requests run, N at a time (at 1 stream one after another), so every row does the same
+work. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
+decoding (the union of the streams' first-to-last-token spans: at 1 stream the next request's prompt pass is
+not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft` runs them.
+Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens
+a drafted piece.
 """
 
 from __future__ import annotations
@@ -62,33 +65,34 @@ def workloads() -> dict[str, list[str]]:
     return {"input-grounded": grounded, "open-ended": open_ended}
 
 
-async def run(model, placement, prompts: list[list[int]], at_once: int, new: int, drafts) -> tuple[float, float | None]:
+async def run(model, placement, prompts: list[list[int]], at_once: int, new: int, drafts,
+              most: int = 8) -> tuple[float, float | None]:
     """Decode tokens/s over `prompts`, `at_once` at a time; and the mean accepted length when drafting."""
     backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
     core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
-                    drafts=drafts, draft_tokens=8)
+                    drafts=drafts, draft_tokens=most)
     return await decode_rate(core, prompts, at_once, new)
 
 
 async def decode_rate(core: LaneCore, prompts, at_once: int, new: int) -> tuple[float, float | None]:
     """Run greedy `prompts` through `core`, `at_once` at a time, then stop it: (decode tokens/s, the mean
-    accepted length or None). Decode tokens are each stream's after its first, over the first stream's
-    first token to the last one's last."""
-    firsts, lasts, tokens = [], [], 0
+    accepted length or None). Decode tokens are each stream's after its first, over the time inside some
+    stream's first-to-last-token span."""
+    spans, tokens = [], 0
     limiter = trio.Semaphore(at_once)
 
     async def one(prompt) -> None:
         nonlocal tokens
         async with limiter:
             stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=new)))
-            seen = 0
+            first = None
             async for event in stream.events:
-                if isinstance(event, TokenEvent):
-                    seen += 1
-                    (firsts if seen == 1 else lasts).append(time.perf_counter())
+                if isinstance(event, TokenEvent) and first is None:
+                    first = time.perf_counter()
                 elif isinstance(event, Finished):
                     tokens += event.completion_tokens - 1
-                    lasts.append(time.perf_counter())
+                    if first is not None:
+                        spans.append((first, time.perf_counter()))
 
     async with trio.open_nursery() as nursery:
         await nursery.start(core.run)
@@ -98,8 +102,18 @@ async def decode_rate(core: LaneCore, prompts, at_once: int, new: int) -> tuple[
         stats = core.statistics()
         await core.shutdown(0)
     core.check_stopped()
-    rate = tokens / (max(lasts) - min(firsts))
+    rate = tokens / covered(spans)
     return rate, stats.drafts.mean_accepted if stats.drafts is not None else None
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds inside at least one of the spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def main() -> None:
@@ -108,6 +122,7 @@ def main() -> None:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--draft-tokens", type=int, default=8, help="a lane's most draft tokens a pass")
     parser.add_argument("--runs", type=int, default=1, help="runs of each setting, interleaved; the median is shown")
     args = parser.parse_args()
     placement = choose("cpu", "fp32")
@@ -119,15 +134,17 @@ def main() -> None:
     for name, texts in workloads().items():
         prompts = [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
         for n in counts:
-            batch = prompts[:4] if n == 1 else prompts[:n]
+            batch = prompts
             results: dict[str, list] = {"off": [], **{m: [] for m in methods}}
             for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on every setting
                 for method in results:
                     print(f"{name}, {n} streams, {method}, run {i + 1} ...", file=sys.stderr, flush=True)
                     drafts = sources[method]() if method != "off" else None
-                    results[method].append(trio.run(run, model, placement, batch, n, args.new, drafts))
+                    results[method].append(trio.run(run, model, placement, batch, n, args.new, drafts, args.draft_tokens))
             rows.append((name, n, {m: sorted(r)[len(r) // 2] for m, r in results.items()}))
-    print(f"\ndrafts on the CPU ({args.model}, fp32), greedy, {args.new} new tokens a request, median of {args.runs}")
+    kinds = ", ".join(sorted(model.weights_census().tensors))
+    print(f"\ndrafts on the CPU ({args.model}: {kinds}; fp32 activations), greedy, {args.new} new tokens a request, "
+          f"at most {args.draft_tokens} draft tokens a lane, median of {args.runs}")
     head = f"{'workload':>15} {'streams':>7} {'off tok/s':>9}"
     for method in methods:
         head += f" {method + ' tok/s':>12} {'x off':>6} {'accepted':>8}"

@@ -135,6 +135,21 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert drafting._choose(jobs)[0] == 6  # a new stream starts from the prior
 
 
+def test_load_control_rates_each_draft_token_given_the_ones_before_it_were_kept():
+    """A draft of 8 with 2 kept tried 3 tokens (the third failed), so a token is kept 2 times in 3, not 1 in 4;
+    a lane whose drafts are all kept is planned with rate 1 and drafts its most."""
+    jobs = [Stream(i, (1,)) for i in range(2)]
+    drafting = Drafting(Source(), most=8)
+    for rows, seconds in [(1, 0.010), (9, 0.022), (17, 0.034)]:  # 1.5 ms a row over 8.5 ms fixed
+        drafting.passed(rows, seconds)
+    for _ in range(60):
+        drafting.observe(jobs[0], 8, 2)
+        drafting.observe(jobs[1], 4, 4)
+    assert drafting._rate(0) == pytest.approx(2 / 3, rel=1e-5) and drafting._rate(1) == pytest.approx(1, rel=1e-5)
+    # lane 1's 8 rows first; then lane 0's first token (2/3 x 23.5 ms > 10 tokens x 1.5 ms), not its second
+    assert drafting._choose(jobs) == {0: 1, 1: 8}
+
+
 def test_load_control_that_drafts_nothing_still_probes_one_token_every_fourth_fresh_plan():
     """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting."""
     jobs = [Stream(i, (1,)) for i in range(3)]

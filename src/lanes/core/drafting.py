@@ -1,11 +1,12 @@
 """Drafting: how many tokens each lane drafts, and asking its source for them.
 
-The one owner of each stream's draft record (what it was proposed and what was accepted, decayed) and of a
-model of the passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves). Before a
+The one owner of each stream's draft record (its draft tokens kept and tried, decayed) and of a model of
+the decode passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves). Before a
 pass it gives each lane the draft length that most raises the pass's expected tokens a second: a lane
-whose drafts are accepted at rate a gains a^(k+1) expected tokens from its (k+1)-th draft token, which
-costs one row; a lane drafts one more token while that gain beats the pass's current tokens a second times
-a row's cost. So a lane whose drafts fail, or a pass big enough that rows are dear, drafts nothing.
+whose draft tokens are each kept with chance a (given the ones before it were) gains a^(k+1) expected
+tokens from its (k+1)-th draft token, which costs one row; a lane drafts one more token while that gain
+beats the pass's current tokens a second times a row's cost. So a lane whose drafts fail, or a pass big
+enough that rows are dear, drafts nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Protocol
 from .job import Job
 
 PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
+PRIOR_TRIALS = 2.0  # the prior's weight in draft tokens tried, decayed like a stream's own
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 COST_DECAY = 0.95  # the weight of past passes in the cost model
 PROBE = 4  # every 4th fresh plan that would draft nothing drafts one token: rates and costs stay learnt
@@ -52,7 +54,7 @@ class Drafting:
     def __init__(self, source: DraftSource, most: int, control: bool = True) -> None:
         self.source, self.most = source, most
         self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
-        self._rates: dict[int, float] = {}  # job id -> its drafts' acceptance, decayed
+        self._record: dict[int, tuple[float, float]] = {}  # job id -> draft tokens kept and tried, decayed
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._fixed, self._per_row = 0.0, 0.0  # the cost model: seconds a pass, and a row more
         self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
@@ -67,7 +69,7 @@ class Drafting:
             # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
             self._idle += 1
             if self._idle % PROBE == 0:
-                self._lengths[max(self._lengths, key=lambda job: self._rates.get(job, PRIOR))] = 1
+                self._lengths[max(self._lengths, key=self._rate)] = 1
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:
             await prepare(jobs, self._lengths)
@@ -78,7 +80,7 @@ class Drafting:
 
     def _choose(self, jobs) -> dict[int, int]:
         """Each decoding job's draft length (by id) for the next pass; see the module's docstring."""
-        rates = {job.id: self._rates.get(job.id, PRIOR) for job in jobs}
+        rates = {job.id: self._rate(job.id) for job in jobs}
         if not self.control:
             return dict.fromkeys(rates, self.most)
         lengths = dict.fromkeys(rates, 0)
@@ -110,8 +112,11 @@ class Drafting:
         self.drafted += drafted
         self.accepted += accepted
         self.pieces += 1
-        rate = self._rates.get(job.id, PRIOR)
-        self._rates[job.id] = DECAY * rate + (1 - DECAY) * (accepted / drafted)
+        # Tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (or k, all kept),
+        # so kept / tried is each token's chance given the ones before it (kept / drafted would count the
+        # tokens after a failure, never tried, as failures, and keep lanes that copy their input short).
+        kept, tried = self._record.get(job.id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
+        self._record[job.id] = (DECAY * kept + accepted, DECAY * tried + min(drafted, accepted + 1))
 
     def passed(self, rows: int, seconds: float) -> None:
         """A pass of `rows` rows took `seconds`: the cost model learns it (a decayed least-squares line)."""
@@ -123,8 +128,14 @@ class Drafting:
             self._per_row = max(0.0, (s[0] * s[4] - s[1] * s[3]) / spread)
         self._fixed = max(0.0, (s[3] - self._per_row * s[1]) / s[0])
 
+    def _rate(self, job_id: int) -> float:
+        """A draft token's chance of being kept, given the ones before it were: the stream's decayed record,
+        which starts as the prior's."""
+        kept, tried = self._record.get(job_id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
+        return kept / tried
+
     def ended(self, job: Job) -> None:
-        self._rates.pop(job.id, None)
+        self._record.pop(job.id, None)
         self.source.forget(job)
 
     def statistics(self) -> DraftStats:

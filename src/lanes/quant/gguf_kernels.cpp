@@ -19,10 +19,11 @@ using namespace lanes_quant;
 constexpr int64_t kChunk = 64;  // groups whose scales are converted at once: a multiple of 8 (K-quant super-blocks)
 constexpr int kRowTile = 4;  // weight rows decoded together: four independent accumulator chains at one x row
 constexpr int kXTile = 4;    // x rows sharing a decoded group: 16 accumulators, 8 decoded vectors, 2 x vectors
-// mm_tiles from 2 x rows: 2 weight rows by 8 x rows (16 accumulators), so a group is decoded once for 8 x
-// rows, not 4 (a drafted lane's 1 + k rows). Every accumulator's chain is the same whatever the tile.
+// mm_tiles from 2 x rows: tiles of 2 weight rows by up to 10 x rows (20 accumulators), x rows split into
+// near-equal tiles, so a group is decoded once for as many x rows as registers allow (a drafted lane's 1 + k
+// rows are one tile, not 8 and a lone 1). Every accumulator's chain is the same whatever the tile.
 constexpr int kFewRows = 2;
-constexpr int kFewX = 8;
+constexpr int kMostX = 10;
 
 // The one fma chain of every product: a group's two weight vectors of NR rows into TR x rows' accumulators
 // (x at the group's first column of the first row, rows K apart). Both paths use it, so a row's bits agree.
@@ -79,16 +80,19 @@ void mm_tiles(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const f
     return;
   }
   const int64_t tiles = (N + kFewRows - 1) / kFewRows;
+  const int64_t parts = (T + kMostX - 1) / kMostX;  // x tiles, sizes differing by at most one
   parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kFewRows;
-      int64_t t0 = 0;
-      for (; t0 + kFewX <= T; t0 += kFewX) tile<Q, kFewX, kFewRows>(w, row_bytes, n0, N, K, x, t0, out);
-      switch (T - t0) {
-#define LANES_REST(TR) case TR: tile<Q, TR, kFewRows>(w, row_bytes, n0, N, K, x, t0, out); break;
-        LANES_REST(1) LANES_REST(2) LANES_REST(3) LANES_REST(4) LANES_REST(5) LANES_REST(6) LANES_REST(7)
-#undef LANES_REST
-        default: break;
+      for (int64_t p = 0, t0 = 0; p < parts; ++p) {
+        const int64_t rows = T / parts + (p < T % parts ? 1 : 0);
+        switch (rows) {
+#define LANES_X(TR) case TR: tile<Q, TR, kFewRows>(w, row_bytes, n0, N, K, x, t0, out); break;
+          LANES_X(1) LANES_X(2) LANES_X(3) LANES_X(4) LANES_X(5) LANES_X(6) LANES_X(7) LANES_X(8) LANES_X(9) LANES_X(10)
+#undef LANES_X
+          default: break;
+        }
+        t0 += rows;
       }
     }
   });
