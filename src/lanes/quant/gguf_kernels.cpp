@@ -71,19 +71,36 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int
   store_tile<TR, NR>(acc, n0, N, out + t0 * N, N);
 }
 
+// Weight rows [first, first + count) fetched toward the cache ahead of their tile: a row of a few hundred
+// bytes is too short a stream for the hardware prefetcher, so without this a decode step waits on memory.
+inline void prefetch_rows(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t count, int64_t N) {
+  if (first >= N) return;
+  const uint8_t* begin = w + first * row_bytes;
+  const uint8_t* end = w + std::min(first + count, N) * row_bytes;
+  for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+constexpr int64_t kAheadRows = 64;  // how far ahead of the tile being computed its weight rows are fetched
+
 template <class Q>
 void mm_tiles(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, const float* x, int64_t T, float* out) {
   if (T == 1) {  // one x row: eight weight rows a tile give eight independent fma chains (sixteen spill)
     parallel_for(0, (N + 7) / 8, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) tile<Q, 1, 8>(w, row_bytes, i * 8, N, K, x, 0, out);
+      prefetch_rows(w, row_bytes, begin * 8, kAheadRows, std::min(N, end * 8));
+      for (int64_t i = begin; i < end; ++i) {
+        prefetch_rows(w, row_bytes, i * 8 + kAheadRows, 8, std::min(N, end * 8));
+        tile<Q, 1, 8>(w, row_bytes, i * 8, N, K, x, 0, out);
+      }
     });
     return;
   }
   const int64_t tiles = (N + kFewRows - 1) / kFewRows;
   const int64_t parts = (T + kMostX - 1) / kMostX;  // x tiles, sizes differing by at most one
   parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    prefetch_rows(w, row_bytes, begin * kFewRows, kAheadRows, std::min(N, end * kFewRows));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n0 = i * kFewRows;
+      prefetch_rows(w, row_bytes, n0 + kAheadRows, kFewRows, std::min(N, end * kFewRows));
       for (int64_t p = 0, t0 = 0; p < parts; ++p) {
         const int64_t rows = T / parts + (p < T % parts ? 1 : 0);
         switch (rows) {
