@@ -101,3 +101,15 @@ def test_any_drafts_give_the_solo_tokens(prompts, most, wrong, max_tokens, seede
 
     solo, together = trio.run(both)
     assert [seen(o) for o in together] == [seen(o) for o in solo]
+
+
+async def test_the_cost_model_learns_from_decode_passes_alone(monkeypatch):
+    """A prompt's rows cost less each than a verify row's; one pass of hundreds of them would set the line's
+    slope, so passes that carry prompt rows are not reported to it."""
+    from lanes.core.drafting import Drafting
+
+    reported = []
+    monkeypatch.setattr(Drafting, "passed", lambda self, rows, seconds: reported.append(rows))
+    _, plans = await run(requests(), FakeDrafter(VOCAB, 0.3, seed=1), 4)
+    assert any(p.prefills for p in plans) and reported
+    assert reported == [p.rows for p in plans if not p.prefills]
