@@ -6,7 +6,8 @@ pass it gives each lane the draft length that most raises the pass's expected to
 whose draft tokens are each kept with chance a (given the ones before it were) gains a^(k+1) expected
 tokens from its (k+1)-th draft token, which costs one row; a lane drafts one more token while that gain
 beats the pass's current tokens a second times a row's cost. So a lane whose drafts fail, or a pass big
-enough that rows are dear, drafts nothing.
+enough that rows are dear, drafts nothing. A lane's gains are also weighed by how often its source
+found a draft when asked: a dry ask costs no row, but its pass could not be planned ahead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .job import Job
 PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
 PRIOR_TRIALS = 2.0  # the prior's weight in draft tokens tried, decayed like a stream's own
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
+FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
 COST_DECAY = 0.95  # the weight of past passes in the cost model
 PROBE = 4  # every 4th fresh plan that would draft nothing drafts one token: rates and costs stay learnt
 
@@ -55,6 +57,7 @@ class Drafting:
         self.source, self.most = source, most
         self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
         self._record: dict[int, tuple[float, float]] = {}  # job id -> draft tokens kept and tried, decayed
+        self._found: dict[int, tuple[float, float]] = {}  # job id -> times its source found a draft and was asked
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._fixed, self._per_row = 0.0, 0.0  # the cost model: seconds a pass, and a row more
         self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
@@ -69,7 +72,7 @@ class Drafting:
             # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
             self._idle += 1
             if self._idle % PROBE == 0:
-                self._lengths[max(self._lengths, key=self._rate)] = 1
+                self._lengths[max(self._lengths, key=self._first_gain)] = 1
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:
             await prepare(jobs, self._lengths)
@@ -88,7 +91,7 @@ class Drafting:
             return lengths
         fixed, per_row = self._fixed, self._per_row
         tokens, rows = float(len(rates)), float(len(rates))
-        gains = {job: rate for job, rate in rates.items()}  # the next draft token's expected gain, a lane
+        gains = {job: self._first_gain(job) for job in rates}  # the next draft token's expected gain, a lane
         while gains:
             job, gain = max(gains.items(), key=lambda item: item[1])
             seconds = fixed + per_row * rows
@@ -105,16 +108,17 @@ class Drafting:
     def propose(self, job: Job, most: int) -> tuple[int, ...]:
         if most <= 0 or job.media:  # no drafts over images and videos
             return ()
-        return self.source.propose(job, most)
+        draft = self.source.propose(job, most)
+        found, asked = self._found.get(job.id, FOUND_PRIOR)
+        self._found[job.id] = (DECAY * found + bool(draft), DECAY * asked + 1)
+        return draft
 
     def observe(self, job: Job, drafted: int, accepted: int) -> None:
         """A pass kept `accepted` of the `drafted` tokens proposed for `job`."""
         self.drafted += drafted
         self.accepted += accepted
         self.pieces += 1
-        # Tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (or k, all kept),
-        # so kept / tried is each token's chance given the ones before it (kept / drafted would count the
-        # tokens after a failure, never tried, as failures, and keep lanes that copy their input short).
+        # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were)
         kept, tried = self._record.get(job.id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
         self._record[job.id] = (DECAY * kept + accepted, DECAY * tried + min(drafted, accepted + 1))
 
@@ -134,8 +138,14 @@ class Drafting:
         kept, tried = self._record.get(job_id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
         return kept / tried
 
+    def _first_gain(self, job_id: int) -> float:
+        """A first draft token's expected gain: the source finds a draft for the stream, and it is kept."""
+        found, asked = self._found.get(job_id, FOUND_PRIOR)
+        return found / asked * self._rate(job_id)
+
     def ended(self, job: Job) -> None:
         self._record.pop(job.id, None)
+        self._found.pop(job.id, None)
         self.source.forget(job)
 
     def statistics(self) -> DraftStats:

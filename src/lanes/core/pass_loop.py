@@ -81,8 +81,7 @@ class PassLoop:
                     flight = InFlight(plan, by_lane, await self._run(plan, following=queued), queued)
                 except Exception as error:
                     return self._failed(error)
-                # A decode pass on its own teaches the cost model; a prompt's rows cost less each (and
-                # with hundreds of them one pass would set the line's slope), so they are left out.
+                # decode passes alone teach the cost model: a prompt's hundreds of cheaper rows would set its slope
                 if drafting is not None and queued is None and not plan.prefills:
                     drafting.passed(plan.rows, time.perf_counter() - started)
             plan, by_lane, result, following = flight.plan, flight.by_lane, flight.result, flight.queued
