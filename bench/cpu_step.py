@@ -1,12 +1,13 @@
 """A CPU decode step's cost, and how much of it is per-pass Python and op dispatch rather than arithmetic.
 
-    python bench/cpu_step.py [--model M] [--lanes 1,8] [--steps 32] [--rounds 5] [--prompt-len 64]
+    python bench/cpu_step.py [--model M] [--lanes 1,8] [--rows 1] [--steps 32] [--rounds 5] [--prompt-len 64]
 
 Two decoders of the default model's layout (30 layers, 9 query and 3 KV heads) over the lanes' own
 forward (`Decoder.forward`, the CPU path): the model itself (its GGUF weights kept quantized), and a
 stand-in built here with every width cut to 64 (hidden 64, heads of 16, intermediate 64, vocabulary 64),
 whose arithmetic is next to nothing, so its step time is the overhead the 30 layers' ops cost whatever
-their size. Rounds interleave the two; each figure is the median round's mean step.
+their size. `--rows 9` gives each lane 9 rows a step (a drafted lane's 1 + 8). Rounds interleave the two;
+each figure is the median round's mean step.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def stand_in(folder: Path, layers: int) -> Path:
     return folder
 
 
-def step_ms(decoder, lanes: int, steps: int, blocks: int, prompt_len: int, vocab: int) -> float:
-    """Mean ms of a decode step at `lanes` rows after a prompt of `prompt_len` tokens each."""
+def step_ms(decoder, lanes: int, steps: int, blocks: int, prompt_len: int, vocab: int, rows: int = 1) -> float:
+    """Mean ms of a decode step of `rows` rows a lane at `lanes` lanes after a prompt of `prompt_len` tokens each."""
     pool = BlockPool(blocks)
     tables = [BlockTable(("lane", i)) for i in range(lanes)]
     for t in tables:
@@ -55,8 +56,8 @@ def step_ms(decoder, lanes: int, steps: int, blocks: int, prompt_len: int, vocab
     for _ in range(steps):
         pieces = []
         for i, t in enumerate(tables):
-            t.grow(pool, 1)
-            pieces.append(Piece(i, ((7 + i) % vocab,), t.tokens - 1, tuple(t.blocks)))
+            t.grow(pool, rows)
+            pieces.append(Piece(i, tuple((7 + i + j) % vocab for j in range(rows)), t.tokens - rows, tuple(t.blocks)))
         decoder.forward(pieces)
     took = time.perf_counter() - start
     for t in tables:
@@ -69,12 +70,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--lanes", default="1,8")
+    parser.add_argument("--rows", type=int, default=1, help="rows a lane a step")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args()
     counts = [int(n) for n in args.lanes.split(",")]
-    blocks = max(counts) * ((args.prompt_len + args.steps) // 16 + 2) + 8
+    blocks = max(counts) * ((args.prompt_len + args.steps * args.rows) // 16 + 2) + 8
     placement = choose("cpu", "auto")
     model = load_model(resolve_model(args.model), placement, kv_blocks=blocks)
     with tempfile.TemporaryDirectory() as scratch:
@@ -85,12 +87,13 @@ def main() -> None:
     for r in range(args.rounds + 1):  # the first round warms up, untimed
         for n in counts:
             for name, loaded in contenders.items():
-                ms = step_ms(loaded.decoder, n, args.steps, blocks, args.prompt_len, loaded.config.vocab_size)
+                ms = step_ms(loaded.decoder, n, args.steps, blocks, args.prompt_len, loaded.config.vocab_size, args.rows)
                 if r:
                     times[(name, n)].append(ms)
     weights = model.weights_census()
     print(f"\n{model.checkpoint.path.name}: {model.config.layers} layers, weights {weights.resident_bytes / 1e6:.0f} MB "
           f"({', '.join(f'{k} x{v}' for k, v in sorted(weights.tensors.items()))}); {torch.get_num_threads()} threads")
+    print(f"{args.rows} rows a lane a step")
     print(f"{'lanes':>5} {'model ms/step':>14} {'width-64 ms/step':>17} {'overhead share':>15}")
     for n in counts:
         full, small = statistics.median(times[("model", n)]), statistics.median(times[("width 64", n)])
