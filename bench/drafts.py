@@ -134,13 +134,12 @@ def main() -> None:
     for name, texts in workloads().items():
         prompts = [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
         for n in counts:
-            batch = prompts
             results: dict[str, list] = {"off": [], **{m: [] for m in methods}}
             for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on every setting
                 for method in results:
                     print(f"{name}, {n} streams, {method}, run {i + 1} ...", file=sys.stderr, flush=True)
                     drafts = sources[method]() if method != "off" else None
-                    results[method].append(trio.run(run, model, placement, batch, n, args.new, drafts, args.draft_tokens))
+                    results[method].append(trio.run(run, model, placement, prompts, n, args.new, drafts, args.draft_tokens))
             rows.append((name, n, {m: sorted(r)[len(r) // 2] for m, r in results.items()}))
     kinds = ", ".join(sorted(model.weights_census().tensors))
     print(f"\ndrafts on the CPU ({args.model}: {kinds}; fp32 activations), greedy, {args.new} new tokens a request, "

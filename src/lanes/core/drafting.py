@@ -19,6 +19,7 @@ from .job import Job
 
 PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
 PRIOR_TRIALS = 2.0  # the prior's weight in draft tokens tried, decayed like a stream's own
+RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS)  # a stream's first record (kept, tried)
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
 COST_DECAY = 0.95  # the weight of past passes in the cost model
@@ -119,7 +120,7 @@ class Drafting:
         self.accepted += accepted
         self.pieces += 1
         # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were)
-        kept, tried = self._record.get(job.id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
+        kept, tried = self._record.get(job.id, RECORD_PRIOR)
         self._record[job.id] = (DECAY * kept + accepted, DECAY * tried + min(drafted, accepted + 1))
 
     def passed(self, rows: int, seconds: float) -> None:
@@ -135,7 +136,7 @@ class Drafting:
     def _rate(self, job_id: int) -> float:
         """A draft token's chance of being kept, given the ones before it were: the stream's decayed record,
         which starts as the prior's."""
-        kept, tried = self._record.get(job_id, (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS))
+        kept, tried = self._record.get(job_id, RECORD_PRIOR)
         return kept / tried
 
     def _first_gain(self, job_id: int) -> float:
