@@ -109,7 +109,29 @@ async def test_the_cost_model_learns_from_decode_passes_alone(monkeypatch):
     from lanes.core.drafting import Drafting
 
     reported = []
-    monkeypatch.setattr(Drafting, "passed", lambda self, rows, seconds: reported.append(rows))
+    monkeypatch.setattr(Drafting, "passed", lambda self, rows, seconds, ahead=False: reported.append(rows))
     _, plans = await run(requests(), FakeDrafter(VOCAB, 0.3, seed=1), 4)
     assert any(p.prefills for p in plans) and reported
     assert reported == [p.rows for p in plans if not p.prefills]
+
+
+async def test_the_cost_models_learn_fresh_and_ahead_passes_apart(monkeypatch):
+    """A pass planned ahead of its predecessor's result is timed into the `ahead` line, one planned after it
+    (every drafted pass) into the `fresh` line: the load control weighs a draft against a plain pass ahead."""
+    from lanes.core.drafting import Drafting
+
+    backend = FakeBackend(lanes=4, blocks=64, vocab=VOCAB, max_model_len=512)
+    reported, learn = [], Drafting.passed
+
+    def passed(self, rows, seconds, ahead=False):
+        reported.append((rows, ahead, backend.plans[-1]))
+        learn(self, rows, seconds, ahead)
+
+    monkeypatch.setattr(Drafting, "passed", passed)
+    async with running(backend, drafts=FakeDrafter(VOCAB, 1.0, seed=3), draft_tokens=4) as core:  # all wrong
+        streams = [await core.submit(request) for request in requests(max_tokens=120)]
+        for stream in streams:
+            await collect(stream)
+    assert all(rows == plan.rows and not plan.prefills for rows, _, plan in reported)
+    assert all(not ahead for _, ahead, plan in reported if plan.drafted)
+    assert any(ahead for _, ahead, _ in reported)  # failed drafts stop: later passes are planned ahead

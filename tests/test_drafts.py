@@ -13,7 +13,7 @@ import torch
 import trio
 
 import tiny
-from lanes.core.drafting import Drafting
+from lanes.core.drafting import PROBE, Drafting
 from lanes.drafts.model import DraftModel
 from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
@@ -119,7 +119,7 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert trio.run(lambda: drafting.begin(jobs)) is None and set(drafting.plan(jobs).values()) == {6}  # no cost yet
     for rows, seconds in [(1, 0.100), (8, 0.1035), (64, 0.1315), (4, 0.1015)]:  # a row costs 0.5 ms over 99.5 ms
         drafting.passed(rows, seconds)
-    assert drafting._per_row == pytest.approx(0.0005, rel=1e-6) and drafting._fixed == pytest.approx(0.0995, rel=1e-6)
+    assert drafting.fresh.per_row == pytest.approx(0.0005, rel=1e-6) and drafting.fresh.fixed == pytest.approx(0.0995, rel=1e-6)
     cheap = drafting._choose(jobs)
     assert set(cheap.values()) == {6}  # acceptance 0.6 a token: every draft token pays for its row
     for _ in range(30):
@@ -178,7 +178,7 @@ def test_load_control_stops_asking_for_streams_whose_source_finds_no_draft():
     assert lengths[0] == 0 and lengths[1] == 3  # lane 1 as before: its fourth token (0.6^4) does not pay
 
 
-def test_load_control_that_drafts_nothing_still_probes_one_token_every_fourth_fresh_plan():
+def test_load_control_that_drafts_nothing_still_probes_one_token_every_probe_th_decision():
     """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting."""
     jobs = [Stream(i, (1,)) for i in range(3)]
     drafting = Drafting(Source(), most=6)
@@ -186,8 +186,31 @@ def test_load_control_that_drafts_nothing_still_probes_one_token_every_fourth_fr
         drafting.passed(rows, seconds)
     drafting.observe(jobs[1], 4, 4)  # lane 1's drafts were all kept: it is the one probed
     plans = []
-    for _ in range(8):
+    for _ in range(2 * PROBE):
         trio.run(lambda: drafting.begin(jobs))
         plans.append(dict(drafting.plan(jobs)))
-    assert [sum(p.values()) for p in plans] == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert plans[3] == {0: 0, 1: 1, 2: 0}
+    assert [i for i, p in enumerate(plans) if sum(p.values())] == [PROBE - 1, 2 * PROBE - 1]
+    assert plans[PROBE - 1] == {0: 0, 1: 1, 2: 0}
+
+
+def test_load_control_drafts_only_what_beats_a_plain_pass_planned_ahead():
+    """On a GPU a pass planned ahead of its predecessor's result hides the host's work under the device's:
+    a drafted pass, planned afresh, must make tokens faster than that, not just faster than a fresh plain pass."""
+    jobs = [Stream(i, (1,)) for i in range(4)]
+    drafting = Drafting(Source(), most=4)
+    for rows, seconds in [(4, 0.0030), (8, 0.0031), (16, 0.0033)]:  # fresh: 3 ms, 25 us a row more
+        drafting.passed(rows, seconds)
+    for _ in range(20):
+        drafting.observe(jobs[0], 4, 4)  # lane 0's drafts are all kept, the others' at the prior's 0.6
+    assert drafting._choose(jobs) == {0: 4, 1: 4, 2: 4, 3: 4}  # against fresh passes alone every token pays
+    for _ in range(3):
+        drafting.passed(4, 0.0010, ahead=True)  # a plain pass planned ahead: 1 ms
+    # drafted: 4 + 4 (lane 0) + 3 x 1.30 (0.6 + 0.36 + 0.216 + 0.13) tokens in 3.5 ms = 3.4 a ms, plain 4 a ms
+    assert drafting._choose(jobs) == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert drafting.would_draft(jobs) is False
+    for _ in range(3):
+        drafting.passed(4, 0.0025, ahead=True)  # a host-bound pass planned ahead gains little
+    assert drafting.would_draft(jobs) is True
+    chosen = dict(drafting._ready)
+    trio.run(lambda: drafting.begin(jobs))
+    assert drafting.plan(jobs) == chosen == {0: 4, 1: 4, 2: 4, 3: 4}  # the fresh plan drafts what was decided

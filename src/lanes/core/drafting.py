@@ -1,13 +1,17 @@
 """Drafting: how many tokens each lane drafts, and asking its source for them.
 
-The one owner of each stream's draft record (its draft tokens kept and tried, decayed) and of a model of
-the decode passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves). Before a
-pass it gives each lane the draft length that most raises the pass's expected tokens a second: a lane
-whose draft tokens are each kept with chance a (given the ones before it were) gains a^(k+1) expected
-tokens from its (k+1)-th draft token, which costs one row; a lane drafts one more token while that gain
-beats the pass's current tokens a second times a row's cost. So a lane whose drafts fail, or a pass big
-enough that rows are dear, drafts nothing. A lane's gains are also weighed by how often its source
-found a draft when asked: a dry ask costs no row, but its pass could not be planned ahead.
+The one owner of each stream's draft record (its draft tokens kept and tried, decayed) and of two models
+of the decode passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves, each
+timed from the result of the pass before): passes planned afresh after that result, as a drafted pass
+must be, and passes planned ahead of it (or fed behind it on the device), whose host work hides under
+the device's. Before a pass it gives each lane the draft length that most raises the pass's expected
+tokens a second: a lane whose draft tokens are each kept with chance a (given the ones before it were)
+gains a^(k+1) expected tokens from its (k+1)-th draft token, which costs one row; a lane drafts one more
+token while that gain beats the pass's current tokens a second times a row's cost. Then the drafted pass
+must beat a plain pass planned ahead, at its rate, or nothing is drafted: on a GPU a pass planned ahead
+costs a fraction of one planned afresh. So a lane whose drafts fail, or a pass big enough that rows are
+dear, drafts nothing. A lane's gains are also weighed by how often its source found a draft when asked:
+a dry ask costs no row, but its pass could not be planned ahead.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS)  # a stream's first record (
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
 COST_DECAY = 0.95  # the weight of past passes in the cost model
-PROBE = 4  # every 4th fresh plan that would draft nothing drafts one token: rates and costs stay learnt
+PROBE = 16  # every 16th decision that would draft nothing drafts one token: rates and costs stay learnt
 
 
 class DraftSource(Protocol):
@@ -36,6 +40,30 @@ class DraftSource(Protocol):
     def forget(self, job: Job) -> None:
         """The stream has ended: what is kept for it alone goes (what it taught a shared index stays)."""
         ...
+
+
+class CostLine:
+    """Seconds a pass as fixed + per row x rows: a least-squares line over decayed sums of the passes seen."""
+
+    def __init__(self) -> None:
+        self.fixed, self.per_row = 0.0, 0.0
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
+
+    @property
+    def known(self) -> bool:
+        return self._sums[0] > 0
+
+    def seconds(self, rows: float) -> float:
+        return self.fixed + self.per_row * rows
+
+    def add(self, rows: int, seconds: float) -> None:
+        s = self._sums
+        for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            s[i] = COST_DECAY * s[i] + value
+        spread = s[0] * s[2] - s[1] * s[1]
+        if spread > 1e-9 * max(1.0, s[2]):
+            self.per_row = max(0.0, (s[0] * s[4] - s[1] * s[3]) / spread)
+        self.fixed = max(0.0, (s[3] - self.per_row * s[1]) / s[0])
 
 
 @dataclass(frozen=True)
@@ -52,7 +80,8 @@ class DraftStats:
 
 class Drafting:
     """The planner's drafter (`planner.Drafter`): `propose` for each decoding lane of a pass; the pass loop
-    reports each pass's cost (`passed`) and its drafts' fate (`observe`), and each stream's end (`ended`)."""
+    reports each pass's cost (`passed`) and its drafts' fate (`observe`), and each stream's end (`ended`);
+    while passes are planned ahead it asks, now and then, whether a fresh plan would draft (`would_draft`)."""
 
     def __init__(self, source: DraftSource, most: int, control: bool = True) -> None:
         self.source, self.most = source, most
@@ -60,23 +89,35 @@ class Drafting:
         self._record: dict[int, tuple[float, float]] = {}  # job id -> draft tokens kept and tried, decayed
         self._found: dict[int, tuple[float, float]] = {}  # job id -> times its source found a draft and was asked
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
-        self._fixed, self._per_row = 0.0, 0.0  # the cost model: seconds a pass, and a row more
-        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
-        self._idle = 0  # fresh plans in a row that drafted nothing
+        self._ready: dict[int, int] | None = None  # lengths `would_draft` chose, for the fresh plan it asked for
+        self.fresh, self.ahead = CostLine(), CostLine()  # passes planned after their predecessor's result, and ahead of it
+        self._idle = 0  # decisions that drafted nothing
         self.drafted = self.accepted = self.pieces = 0
 
     async def begin(self, jobs) -> None:
         """Before a pass is planned: each decoding job's draft length, and the source's drafts made ready
         where making them takes a model's passes (off the event loop)."""
-        self._lengths = self._choose(jobs)
-        if self._lengths and not any(self._lengths.values()):
-            # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
-            self._idle += 1
-            if self._idle % PROBE == 0:
-                self._lengths[max(self._lengths, key=self._first_gain)] = 1
+        self._lengths = self._ready if self._ready is not None else self._decide(jobs)
+        self._ready = None
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:
             await prepare(jobs, self._lengths)
+
+    def would_draft(self, jobs) -> bool:
+        """Whether a pass planned afresh now would draft: asked while passes are planned ahead, so that a
+        pass is planned afresh (the pipeline's cost) only when it drafts. Its lengths are kept for `begin`."""
+        lengths = self._decide(jobs)
+        self._ready = lengths if any(lengths.values()) else None
+        return self._ready is not None
+
+    def _decide(self, jobs) -> dict[int, int]:
+        lengths = self._choose(jobs)
+        if lengths and not any(lengths.values()):
+            # Without a probe a noisy fit (a row dear, the fixed cost nothing) would stop drafting for good.
+            self._idle += 1
+            if self._idle % PROBE == 0:
+                lengths[max(lengths, key=self._first_gain)] = 1
+        return lengths
 
     def plan(self, jobs) -> dict[int, int]:
         """The draft lengths `begin` chose, by job id (the planner's `Drafter`)."""
@@ -90,7 +131,7 @@ class Drafting:
         lengths = dict.fromkeys(rates, 0)
         if self.most <= 0 or not rates:
             return lengths
-        fixed, per_row = self._fixed, self._per_row
+        fixed, per_row = self.fresh.fixed, self.fresh.per_row
         tokens, rows = float(len(rates)), float(len(rates))
         gains = {job: self._first_gain(job) for job in rates}  # the next draft token's expected gain, a lane
         while gains:
@@ -104,6 +145,9 @@ class Drafting:
                 del gains[job]
             else:
                 gains[job] = gain * rates[job]
+        lanes, seconds = float(len(rates)), fixed + per_row * rows
+        if self.ahead.known and seconds > 0 and tokens / seconds <= lanes / max(self.ahead.seconds(lanes), 1e-9):
+            return dict.fromkeys(rates, 0)  # a plain pass planned ahead makes tokens faster than this draft
         return lengths
 
     def propose(self, job: Job, most: int) -> tuple[int, ...]:
@@ -123,15 +167,10 @@ class Drafting:
         kept, tried = self._record.get(job.id, RECORD_PRIOR)
         self._record[job.id] = (DECAY * kept + accepted, DECAY * tried + min(drafted, accepted + 1))
 
-    def passed(self, rows: int, seconds: float) -> None:
-        """A pass of `rows` rows took `seconds`: the cost model learns it (a decayed least-squares line)."""
-        s = self._sums
-        for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            s[i] = COST_DECAY * s[i] + value
-        spread = s[0] * s[2] - s[1] * s[1]
-        if spread > 1e-9 * max(1.0, s[2]):
-            self._per_row = max(0.0, (s[0] * s[4] - s[1] * s[3]) / spread)
-        self._fixed = max(0.0, (s[3] - self._per_row * s[1]) / s[0])
+    def passed(self, rows: int, seconds: float, ahead: bool = False) -> None:
+        """A decode pass of `rows` rows came back `seconds` after the one before it, planned ahead of that
+        one's result or not: the matching cost line learns it."""
+        (self.ahead if ahead else self.fresh).add(rows, seconds)
 
     def _rate(self, job_id: int) -> float:
         """A draft token's chance of being kept, given the ones before it were: the stream's decayed record,

@@ -25,7 +25,7 @@ from .plan import PassResult, Plan
 from .stream import BackendFailed, EngineError, Failed, Finished
 
 
-REFRESH = 16  # with a drafter, at most this many passes in a row planned ahead of their results
+CHECK = 4  # with a drafter, every 4th pass planned ahead asks it whether a fresh plan would draft
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PassLoop:
         self._feeds = backend.shape.feeds  # the device can queue a decode pass fed by the draws of the one before
         self._cached = admission.caches
         self._step = 0
-        self._planned_ahead = 0  # passes in a row planned ahead (with a drafter: a fresh one every REFRESH)
+        self._planned_ahead = 0  # passes planned ahead (with a drafter: every CHECK-th asks it)
         self.closing = False  # set by `close`: admit nothing new, end once the lanes are empty
         self._wake = trio.Event()  # set by the lane core's mailbox and timers: something to look at
         self.passes = self.prefill_rows = self.decode_rows = 0
@@ -60,6 +60,7 @@ class PassLoop:
     async def run(self) -> BackendFailed | None:
         """Passes until the lane core closes and its lanes are empty; a failed pass fails every waiter."""
         flight: InFlight | None = None
+        back = None  # when the newest pass's result came back, if passes have run back to back since
         while True:
             if flight is None:
                 self.boundary()
@@ -71,22 +72,20 @@ class PassLoop:
                     await drafting.begin([j for j in by_lane.values() if j.phase is Phase.DECODE and j.live])
                 plan = planner.plan(self._step, by_lane, self.limits, drafter=drafting)
                 if not plan.work:
+                    back = None
                     self._wake = trio.Event()
                     await self._wake.wait()
                     continue
                 self._step += 1
                 queued = self._fed(((plan, None),), by_lane)
-                started = time.perf_counter()
                 try:
                     flight = InFlight(plan, by_lane, await self._run(plan, following=queued), queued)
                 except Exception as error:
                     return self._failed(error)
-                # decode passes alone teach the cost model: a prompt's hundreds of cheaper rows would set its slope
-                if drafting is not None and queued is None and not plan.prefills:
-                    drafting.passed(plan.rows, time.perf_counter() - started)
+                back = self._timed(plan, back, ahead=False)
             plan, by_lane, result, following = flight.plan, flight.by_lane, flight.result, flight.queued
             flight = None
-            if following is None and plan.ahead and self._steady() and self._ahead_allowed():
+            if following is None and plan.ahead and self._steady() and self._ahead_allowed(by_lane):
                 following = self._planned(planner.plan(self._step, by_lane, self.limits, after=((plan, result),)))
             if following is None:
                 self._settle(plan, result, by_lane)
@@ -101,18 +100,31 @@ class PassLoop:
                 return self._failed(error)
             settle()
             settle.reraise()
+            back = self._timed(following, back, ahead=True)
             flight = InFlight(following, by_lane, next_result, behind)
 
     async def _run(self, plan: Plan, started=None, following: Plan | None = None) -> PassResult:
         with trio.CancelScope(shield=True):  # the device writes KV into the plan's blocks until the pass ends
             return await self._backend.step(plan, started, following)
 
-    def _ahead_allowed(self) -> bool:
-        """With a drafter, every REFRESH-th pass is planned afresh, so its load control can draft again."""
-        if self._drafting is None:
+    def _timed(self, plan: Plan, back: float | None, ahead: bool) -> float:
+        """The drafter's cost models learn a decode pass's time from the result before it to its own."""
+        now = time.perf_counter()
+        # decode passes alone teach them: a prompt's hundreds of cheaper rows would set the slope
+        if self._drafting is not None and back is not None and not plan.prefills:
+            self._drafting.passed(plan.rows, now - back, ahead)
+        return now
+
+    def _ahead_allowed(self, by_lane: dict[int, Job]) -> bool:
+        """With a drafter, the next pass is planned ahead unless a fresh plan would draft (asked every
+        CHECK-th pass: a fresh plan costs the device a wait for the host)."""
+        drafting = self._drafting
+        if drafting is None:
             return True
-        self._planned_ahead = (self._planned_ahead + 1) % REFRESH
-        return self._planned_ahead != 0
+        self._planned_ahead += 1
+        if self._planned_ahead % CHECK:
+            return True
+        return not drafting.would_draft([j for j in by_lane.values() if j.phase is Phase.DECODE and j.live])
 
     def _planned(self, plan: Plan) -> Plan | None:
         if not plan.work:
