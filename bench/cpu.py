@@ -5,12 +5,18 @@
 
 One command: the first run makes bench/.venv-llamacpp (ignored by git) and builds llama-cpp-python 0.3.36
 in it (about 10 minutes on 2 cores; the CPU's own kernels without AMX, see GGML_FLAGS), unless
-`--llama-python` names a Python that has it; it is never a dependency of lanes. Each contender is a worker process that loads the model once (its resident memory is
-read from /proc before and after the load), then answers requests: greedy, end-of-sequence ignored, the
-same random prompts of `--prompt-len` tokens to all, `--new` tokens a stream. lanes runs N concurrent
-streams on its lane core; transformers runs generate() on a batch of N; llama.cpp runs batch 1 only, the
-figure the issue's bar compares with. Rounds are interleaved (every configuration once a round) and the
-figure is the median round. tok/s counts prompt and new tokens of every stream over the wall time.
+`--llama-python` names a Python that has it; it is never a dependency of lanes. Each contender is a worker process that loads the model once, then answers
+requests: greedy, end-of-sequence ignored, the same random prompts of `--prompt-len` tokens to all, `--new`
+tokens a stream. lanes runs N concurrent streams on its lane core; transformers runs generate() on a batch
+of N; llama.cpp runs batch 1 only, the figure the issue's bar compares with. Rounds are interleaved (every
+configuration once a round) and the figure is the median round. tok/s counts prompt and new tokens of
+every stream over the wall time.
+
+Memory: each worker imports its libraries, then reads its resident memory from /proc before the load,
+after it, and after its runs (the growth is the model's memory: weights, KV cache, vocabulary, buffers).
+llama.cpp holds one stream's context (`n_ctx` = prompt + new + 16 tokens, f16); lanes' speed worker holds
+the KV of max(streams) lanes, so one more lanes worker, KV for one stream of the same context, is
+measured beside it (it runs one 1-stream generation first).
 """
 
 from __future__ import annotations
@@ -62,10 +68,13 @@ def worker_lanes(model: str, lanes: int, context: int):
     from lanes.core.blocks import blocks_for
     from lanes.gpu.device import choose, runner_for
     from lanes.loader import load_model
+    from lanes.quant.native import kernels
+    from lanes.text import tokenizer  # noqa: F401  (libraries in before the load, as llama_cpp's are)
 
+    kernels()
     placement = choose("cpu", "auto")
     before = rss_mb()
-    loaded = load_model(Path(model), placement, kv_blocks=lanes * blocks_for(context) + 8, quiet=True)
+    loaded = load_model(Path(model), placement, kv_blocks=lanes * blocks_for(context), quiet=True)
     loaded_mb = rss_mb() - before
 
     def generate(prompts: list[list[int]], new: int) -> tuple[float, list[int]]:
@@ -96,7 +105,7 @@ def worker_lanes(model: str, lanes: int, context: int):
 
         return trio.run(run), first
 
-    info = {"rss_mb": loaded_mb, "threads": torch.get_num_threads(), "version": "lanes (this tree)"}
+    info = {"rss_mb": loaded_mb, "before_mb": before, "threads": torch.get_num_threads(), "version": "lanes (this tree)"}
     return info, generate
 
 
@@ -119,7 +128,8 @@ def worker_transformers(model: str, lanes: int, context: int):
                                      do_sample=False, pad_token_id=0)
         return time.perf_counter() - start, out[0, ids.shape[1]:].tolist()
 
-    info = {"rss_mb": loaded_mb, "threads": torch.get_num_threads(), "version": f"transformers {transformers.__version__}"}
+    info = {"rss_mb": loaded_mb, "before_mb": before, "threads": torch.get_num_threads(),
+            "version": f"transformers {transformers.__version__}"}
     return info, generate
 
 
@@ -142,7 +152,8 @@ def worker_llamacpp(model: str, lanes: int, context: int):
                     break
         return time.perf_counter() - start, first
 
-    info = {"rss_mb": loaded_mb, "threads": os.cpu_count(), "version": f"llama-cpp-python {llama_cpp.__version__}"}
+    info = {"rss_mb": loaded_mb, "before_mb": before, "threads": os.cpu_count(),
+            "version": f"llama-cpp-python {llama_cpp.__version__}"}
     return info, generate
 
 
@@ -158,8 +169,11 @@ def serve_worker(kind: str, model: str, lanes: int, context: int) -> None:
     out.flush()
     for line in sys.stdin:
         request = json.loads(line)
-        seconds, tokens = generate(request["prompts"], request["new"])
-        out.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
+        if request.get("memory"):
+            out.write(json.dumps({"rss_mb": rss_mb() - info["before_mb"]}) + "\n")
+        else:
+            seconds, tokens = generate(request["prompts"], request["new"])
+            out.write(json.dumps({"seconds": seconds, "tokens": tokens}) + "\n")
         out.flush()
 
 
@@ -184,6 +198,12 @@ class Worker:
         self.process.stdin.write(json.dumps({"prompts": prompts, "new": new}) + "\n")
         self.process.stdin.flush()
         return self._read()
+
+    def resident_mb(self) -> float:
+        """The worker's resident memory now, over what it held before its load."""
+        self.process.stdin.write(json.dumps({"memory": True}) + "\n")
+        self.process.stdin.flush()
+        return self._read()["rss_mb"]
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -250,7 +270,15 @@ def main() -> None:
             reply = workers[kind].generate(prompts[:n], args.new)
             times[(kind, n)].append(reply["seconds"])
             firsts[(kind, n)] = reply["tokens"]
-    for w in workers.values():
+    after = {kind: w.resident_mb() for kind, w in workers.items()}
+    print("the memory of lanes with one stream's KV ...", file=sys.stderr)
+    one = Worker("lanes", sys.executable, path, 1, context)
+    one.generate(prompts[:1], args.new)
+    memory = [(f"lanes", f"{max(counts)} x {context}", workers["lanes"].info["rss_mb"], after["lanes"]),
+              ("lanes", f"1 x {context}", one.info["rss_mb"], one.resident_mb()),
+              ("llama.cpp", f"1 x {context} (f16)", workers["llama.cpp"].info["rss_mb"], after["llama.cpp"]),
+              ("transformers", "its own", workers["transformers"].info["rss_mb"], after["transformers"])]
+    for w in [*workers.values(), one]:
         w.close()
 
     per_stream = args.prompt_len + args.new
@@ -260,11 +288,15 @@ def main() -> None:
           f"{workers['transformers'].info['version']}")
     print(f"model {path.name}; greedy; prompt {args.prompt_len} + new {args.new} tokens a stream, prompt included; "
           f"median of {args.rounds} interleaved rounds")
-    print(f"{'contender':<13} {'streams':>7} {'tok/s':>8} {'x llama.cpp@1':>14} {'model RSS MB':>13} {'same tokens as llama.cpp':>25}")
+    print(f"{'contender':<13} {'streams':>7} {'tok/s':>8} {'x llama.cpp@1':>14} {'same tokens as llama.cpp':>25}")
     for (kind, n) in configs:
         same = firsts[(kind, n)] == firsts[("llama.cpp", 1)]
-        print(f"{kind:<13} {n:>7} {rate[(kind, n)]:>8.1f} {rate[(kind, n)] / llama1:>14.2f} "
-              f"{workers[kind].info['rss_mb']:>13.0f} {str(same):>25}")
+        print(f"{kind:<13} {n:>7} {rate[(kind, n)]:>8.1f} {rate[(kind, n)] / llama1:>14.2f} {str(same):>25}")
+    llama_after = memory[2][3]
+    print(f"\nresident memory over the worker's before its load (libraries imported), MB")
+    print(f"{'contender':<13} {'KV for (lanes x tokens)':>24} {'after load':>11} {'after runs':>11} {'x llama.cpp':>12}")
+    for kind, kv, loaded_mb, after_mb in memory:
+        print(f"{kind:<13} {kv:>24} {loaded_mb:>11.1f} {after_mb:>11.1f} {after_mb / llama_after:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ only what requests allocate (docs/DECISIONS.md).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 
 
@@ -21,3 +23,30 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MAPPED_FROM = 256 << 10  # blocks of this many bytes or more are mapped and unmapped each
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing): a load
+    frees many small blocks (file headers, the tokenizer's build), which stay resident until trimmed."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def bound_heap_retention() -> None:
+    """Fix glibc's mmap threshold at 256 KiB (elsewhere nothing). Left to itself glibc raises the threshold
+    to the largest block freed, after which a pass's activations come from the heap, and the heap keeps
+    the largest pass's peak resident for good (the default model on the CPU: 24 MB after one 8-stream
+    burst, 6 MB with the threshold fixed; bench/cpu.py's memory table, same speed)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, MAPPED_FROM)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from .gpu.collective import Collective, Solo
 from .gpu.device import Placement
 from .gpu.fp8 import FP8
 from .gpu.kv import KV_CACHES, KVCache, KVShape
+from .heap import bound_heap_retention, release_free_heap
 
 if TYPE_CHECKING:
     from .families.qwen2_vl import VisionTokens
@@ -51,13 +53,18 @@ class Checkpoint:
     family: Family
     source: TensorSource
     gguf: GGUFFile | None = None
+    _tokenizer: "Tokenizer | None" = field(default=None, repr=False)
 
     def tokenizer(self) -> "Tokenizer":
+        """Built once (a GGUF file's vocabulary is dropped when its tensors are released)."""
         from .text.tokenizer import Tokenizer
 
-        if self.gguf is not None:
-            return Tokenizer.from_gguf(self.gguf.metadata, self.path, self.config.vocab_size)
-        return Tokenizer.from_folder(self.path, self.config.vocab_size)
+        if self._tokenizer is None:
+            if self.gguf is not None:
+                self._tokenizer = Tokenizer.from_gguf(self.gguf.metadata, self.path, self.config.vocab_size)
+            else:
+                self._tokenizer = Tokenizer.from_folder(self.path, self.config.vocab_size)
+        return self._tokenizer
 
 
 def open_checkpoint(path: Path | str) -> Checkpoint:
@@ -145,6 +152,7 @@ def load_model(
     quantizes a full-precision checkpoint's matrices (QuantizeRefused where that cannot be done here)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
+    bound_heap_retention()  # a process serving a model keeps no burst's activations resident
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     tokenizer = checkpoint.tokenizer()
@@ -178,6 +186,8 @@ def load_model(
         model.vision = load_vision_tower(checkpoint, placement, stream)
     if checkpoint.gguf is not None:
         checkpoint.gguf.release()  # every weight is a copy now
+    gc.collect()
+    release_free_heap()
     return model
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate
 
 import tokenizers
 from tokenizers import decoders
@@ -117,7 +119,25 @@ class ByteDetokenizer:
         return self._pieces[token_id] if token_id < len(self._pieces) else b""
 
 
-def byte_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], special_ids: frozenset[int]) -> tuple[bytes, ...] | None:
+class PieceTable(Sequence[bytes]):
+    """Each id's bytes, all in one buffer: a tuple of 49,152 bytes objects holds some 2 MB, this a third of
+    that (ints only as indices)."""
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        self._blob = b"".join(pieces)
+        self._ends = array("I", accumulate((len(piece) for piece in pieces), initial=0))
+
+    def __len__(self) -> int:
+        return len(self._ends) - 1
+
+    def __getitem__(self, token_id: int) -> bytes:  # type: ignore[override]
+        ends = self._ends
+        if not 0 <= token_id < len(ends) - 1:
+            raise IndexError(f"no piece for id {token_id}")
+        return self._blob[ends[token_id] : ends[token_id + 1]]
+
+
+def byte_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], special_ids: frozenset[int]) -> PieceTable | None:
     """Each id's bytes, when `decode` (special tokens skipped) is the UTF-8 reading of its ids' bytes joined:
     the ByteLevel decoder's (its characters mapped back to bytes, a token with another character taken as its
     own UTF-8). None for any other decoder, or if one id decodes otherwise (every id is checked)."""
@@ -130,11 +150,11 @@ def byte_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], special
     decoded = backend.decode_batch([[index] for index in range(len(pieces))], skip_special_tokens=True)
     if decoded != [piece.decode("utf-8", "replace") for piece in pieces]:
         return None
-    return tuple(pieces)
+    return PieceTable(pieces)
 
 
-def with_special_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], pieces: tuple[bytes, ...] | None,
-                         special_ids: frozenset[int]) -> tuple[bytes, ...] | None:
+def with_special_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int], pieces: PieceTable | None,
+                         special_ids: frozenset[int]) -> PieceTable | None:
     """`pieces` with the special ids' bytes too (`decode` with skip_special_tokens=False joins them as it
     joins the others), each checked as `byte_pieces` checks; None where there is no table or one differs."""
     if pieces is None:
@@ -147,7 +167,7 @@ def with_special_pieces(backend: tokenizers.Tokenizer, vocab: Mapping[str, int],
     decoded = backend.decode_batch([[index] for index in ids], skip_special_tokens=False)
     if decoded != [table[index].decode("utf-8", "replace") for index in ids]:
         return None
-    return tuple(table)
+    return PieceTable(table)
 
 
 def _token_bytes(token: str) -> bytes:
