@@ -57,6 +57,23 @@ async def test_concurrent_streams_on_fed_passes_equal_their_solo_runs():
     assert all(w.sample.params.greedy for p in backend.plans if p.fed for w in p.work)
 
 
+async def test_fed_passes_resume_once_a_stream_that_needs_the_host_sampler_has_ended():
+    """A seeded stream keeps passes from being fed while it runs; once it ends, the passes planned ahead from
+    the others' rows are plain again and fed, without waiting for a fresh plan."""
+    requests = [Request(prompt(5, first=1), greedy(30, ignore_eos=True)), Request(prompt(4, first=2), seeded(5, 4)),
+                Request(prompt(6, first=3), greedy(30, ignore_eos=True))]
+    alone = [await solo(r) for r in requests]
+    backend = FakeBackend(lanes=3, blocks=64, feeds=True)
+    async with running(backend) as core:
+        streams = [await core.submit(r) for r in requests]
+        outcomes = [await collect(s) for s in streams]
+    assert [o.tokens for o in outcomes] == [a.tokens for a in alone]
+    seeded_lane = next(w.piece.lane for p in backend.plans for w in p.work if not w.sample.params.greedy)
+    last = max(i for i, p in enumerate(backend.plans) if any(w.piece.lane == seeded_lane for w in p.work))
+    after = kinds(backend)[last + 1:]
+    assert len(after) > 20 and after[1:] == ["fed"] * (len(after) - 1), after
+
+
 async def test_a_stream_a_stop_token_ends_gets_at_most_one_void_fed_row():
     request = Request(prompt(4, first=5), greedy(40))
     alone = await solo(request)

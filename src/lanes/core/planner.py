@@ -79,10 +79,9 @@ def plan(step: int, jobs: Mapping[int, Job], limits: Limits, after: Sequence[tup
             work = _prompt_work(job, take)
             plain = plain and work.sample is not None and work.sample.params.plain and not work.targets
             prefill.append(work)
-    # Where a lane may draft, the pass after is planned afresh: a pass planned ahead carries no draft.
-    wanted = lengths is not None and any(lengths.values())
+    # Whether the pass after is planned ahead (carrying no draft) or afresh is the pass loop's to ask the drafter.
     return Plan(step=step, work=tuple(prefill + decode), prefills=len(prefill), plain=plain,
-                ahead=ahead and not prefill and not wanted, drafted=drafted)
+                ahead=ahead and not prefill, drafted=drafted)
 
 
 def _after(step: int, jobs: Mapping[int, Job], after: Sequence[tuple[Plan, PassResult | None]]) -> Plan:
@@ -94,6 +93,7 @@ def _after(step: int, jobs: Mapping[int, Job], after: Sequence[tuple[Plan, PassR
     older = after[0] if len(after) > 1 else None
     drawn = {w.piece.lane: s for w, s in zip(older[0].work, older[1].sampled, strict=True)} if older else None
     work = []
+    plain = True  # of the rows kept: a stream whose draw needs the host's sampler may have just ended
     for i, w in enumerate(newest.work):  # a plain loop, by index: this runs every pass, over every lane
         piece = w.piece
         lane = piece.lane
@@ -119,9 +119,10 @@ def _after(step: int, jobs: Mapping[int, Job], after: Sequence[tuple[Plan, PassR
             taken += len(drew)
         if taken >= job.max_new:
             continue
+        plain = plain and job.sampling.plain
         work.append(Work(Piece(lane, (token,), start, piece.blocks), RowSampling(lane, job.sampling, taken)))
     fed = result is None
-    return Plan(step, tuple(work), 0, fed=fed, plain=newest.plain, ahead=True)
+    return Plan(step, tuple(work), 0, fed=fed, plain=plain, ahead=True)
 
 
 def _ends(tokens: tuple[int, ...], stops: frozenset[int]) -> bool:
