@@ -9,6 +9,8 @@ At N streams all 32 requests run, N at a time (at 1 stream one after another), s
 work. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
 decoding (the union of the streams' first-to-last-token spans: at 1 stream the next request's prompt pass is
 not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft` runs them.
+Each run's lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
+server that has been up a while has: its load control has timed its passes, its suffix index holds outputs.
 Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens
 a drafted piece.
 """
@@ -23,6 +25,7 @@ import trio
 
 from lanes.backend.torch_backend import TorchBackend, text_factory
 from lanes.core.blocks import blocks_for
+from lanes.core.drafting import DraftStats
 from lanes.core.lane_core import LaneCore
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Finished, Request, TokenEvent
@@ -65,45 +68,56 @@ def workloads() -> dict[str, list[str]]:
     return {"input-grounded": grounded, "open-ended": open_ended}
 
 
-async def run(model, placement, prompts: list[list[int]], at_once: int, new: int, drafts,
-              most: int = 8) -> tuple[float, float | None]:
-    """Decode tokens/s over `prompts`, `at_once` at a time; and the mean accepted length when drafting."""
+async def run(model, placement, prompts: list[list[int]], warm: list[list[int]], at_once: int, new: int, drafts,
+              most: int = 8) -> tuple[float, DraftStats | None]:
+    """Decode tokens/s over `prompts`, `at_once` at a time, after `warm` (untimed); and the drafts' statistics
+    when drafting."""
     backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
     core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
                     drafts=drafts, draft_tokens=most)
-    return await decode_rate(core, prompts, at_once, new)
+    return await decode_rate(core, prompts, warm, at_once, new)
 
 
-async def decode_rate(core: LaneCore, prompts, at_once: int, new: int) -> tuple[float, float | None]:
-    """Run greedy `prompts` through `core`, `at_once` at a time, then stop it: (decode tokens/s, the mean
-    accepted length or None). Decode tokens are each stream's after its first, over the time inside some
-    stream's first-to-last-token span."""
+WARM_NEW = 32  # new tokens a warm-up request
+
+
+async def decode_rate(core: LaneCore, prompts, warm, at_once: int, new: int) -> tuple[float, DraftStats | None]:
+    """Run greedy `warm`, then `prompts` through `core`, `at_once` at a time, then stop it: (decode tokens/s
+    of `prompts`, the drafts' statistics over them or None). Decode tokens are each stream's after its
+    first, over the time inside some stream's first-to-last-token span."""
     spans, tokens = [], 0
     limiter = trio.Semaphore(at_once)
 
-    async def one(prompt) -> None:
+    async def one(prompt, most: int, timed: bool) -> None:
         nonlocal tokens
         async with limiter:
-            stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=new)))
+            stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=most)))
             first = None
             async for event in stream.events:
                 if isinstance(event, TokenEvent) and first is None:
                     first = time.perf_counter()
-                elif isinstance(event, Finished):
+                elif isinstance(event, Finished) and timed:
                     tokens += event.completion_tokens - 1
                     if first is not None:
                         spans.append((first, time.perf_counter()))
 
     async with trio.open_nursery() as nursery:
         await nursery.start(core.run)
-        async with trio.open_nursery() as clients:
-            for prompt in prompts:
-                clients.start_soon(one, prompt)
+        for batch, most, timed in ((warm, WARM_NEW, False), (prompts, new, True)):
+            if timed:
+                before = core.statistics().drafts
+            async with trio.open_nursery() as clients:
+                for prompt in batch:
+                    clients.start_soon(one, prompt, most, timed)
         stats = core.statistics()
         await core.shutdown(0)
     core.check_stopped()
     rate = tokens / covered(spans)
-    return rate, stats.drafts.mean_accepted if stats.drafts is not None else None
+    drafts = stats.drafts and stats.drafts.since(before)
+    if drafts is not None:
+        print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces", file=sys.stderr,
+              flush=True)
+    return rate, drafts
 
 
 def covered(spans: list[tuple[float, float]]) -> float:
@@ -131,16 +145,19 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
     rows = []
-    for name, texts in workloads().items():
-        prompts = [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
+    encoded = {name: [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
+               for name, texts in workloads().items()}
+    for name, prompts in encoded.items():
+        other = next(p for w, p in encoded.items() if w != name)
         for n in counts:
             results: dict[str, list] = {"off": [], **{m: [] for m in methods}}
             for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on every setting
                 for method in results:
                     print(f"{name}, {n} streams, {method}, run {i + 1} ...", file=sys.stderr, flush=True)
                     drafts = sources[method]() if method != "off" else None
-                    results[method].append(trio.run(run, model, placement, prompts, n, args.new, drafts, args.draft_tokens))
-            rows.append((name, n, {m: sorted(r)[len(r) // 2] for m, r in results.items()}))
+                    results[method].append(trio.run(run, model, placement, prompts, other[:n], n, args.new, drafts,
+                                                            args.draft_tokens))
+            rows.append((name, n, {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in results.items()}))
     kinds = ", ".join(sorted(model.weights_census().tensors))
     print(f"\ndrafts on the CPU ({args.model}: {kinds}; fp32 activations), greedy, {args.new} new tokens a request, "
           f"at most {args.draft_tokens} draft tokens a lane, median of {args.runs}")
@@ -152,8 +169,8 @@ def main() -> None:
         off = result["off"][0]
         line = f"{name:>15} {n:>7} {off:>9.1f}"
         for method in methods:
-            rate, accepted = result[method]
-            line += f" {rate:>12.1f} {rate / off:>6.2f} {accepted:>8.2f}"
+            rate, stats = result[method]
+            line += f" {rate:>12.1f} {rate / off:>6.2f} {stats.mean_accepted:>8.2f}"
         print(line)
 
 

@@ -8,7 +8,8 @@ The model (default: the default model, from $LANES_HOME) in bf16 on CUDA; the wo
 (chat prompts, greedy, `max_tokens` --new). At N streams, N requests at once, cycled from the workload's
 prompts (at 1 stream, 4 one after another). Decode tokens/s counts each stream's tokens after its first,
 over the time from the first stream's first token to the last one's last; draft lengths follow the lane
-core's load control, as `lanes serve --draft` runs them. Each stream count's backend is built once (graphs
+core's load control, as `lanes serve --draft` runs them; each run's lane core first serves N requests of the
+other workload, untimed (bench/drafts.py's warm-up). Each stream count's backend is built once (graphs
 captured with logit rows for --draft-tokens drafted rows a lane) and runs every setting, off and each
 method in turn, --repeats times; the median run is shown. Prints one table: tokens/s off, each method's
 tokens/s, its ratio to off, its mean accepted tokens a drafted piece, and the share of its drafted passes
@@ -55,16 +56,16 @@ class Counted(BackendWrapper):
         return await self.inner.step(plan, started, following)
 
 
-async def decode_rate(backend: Counted, model, prompts, at_once: int, new: int, drafts, most: int):
+async def decode_rate(backend: Counted, model, prompts, warm, at_once: int, new: int, drafts, most: int):
     """(decode tokens/s, mean accepted length or None, share of drafted passes replayed in graphs or None)."""
     core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512, drafts=drafts,
                     draft_tokens=most)
     graphs = backend.inner.graphs  # None without CUDA: nothing is replayed
     replayed, counted = graphs.passes["drafted"] if graphs else 0, backend.drafted
-    rate, accepted = await drafts_decode_rate(core, prompts, at_once, new)
+    rate, stats = await drafts_decode_rate(core, prompts, warm, at_once, new)
     drafted = backend.drafted - counted
     graphed = (graphs.passes["drafted"] - replayed) / drafted if drafted and graphs else None
-    return rate, accepted, graphed
+    return rate, stats.mean_accepted if stats is not None else None, graphed
 
 
 def main_drafts(args) -> None:
@@ -84,15 +85,17 @@ def main_drafts(args) -> None:
         backend = Counted(TorchBackend(model, runner_for(placement), lanes=n, max_model_len=CONTEXT,
                                        draft_tokens=args.draft_tokens))
         freeze_startup_heap()
-        trio.run(decode_rate, backend, model, texts["open-ended"][:2], 2, 8, None, args.draft_tokens)  # warm-up
+        trio.run(decode_rate, backend, model, texts["open-ended"][:2], (), 2, 8, None, args.draft_tokens)  # warm-up
         for name, prompts in texts.items():
             batch = prompts[:4] if n == 1 else [prompts[i % len(prompts)] for i in range(n)]
+            other = next(p for w, p in texts.items() if w != name)
+            warm = [other[i % len(other)] for i in range(n)]
             runs: dict[str, list] = {"off": [], **{m: [] for m in methods}}
             for i in range(args.repeats):  # in turn, so that the host's slow spells fall on every setting
                 for method in runs:
                     say(f"  {name}, {method}, run {i + 1} ...")
                     drafts = SOURCES[method]() if method != "off" else None
-                    runs[method].append(trio.run(decode_rate, backend, model, batch, n, args.new, drafts,
+                    runs[method].append(trio.run(decode_rate, backend, model, batch, warm, n, args.new, drafts,
                                                  args.draft_tokens))
             rows.append((name, n, {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in runs.items()},
                          {m: [x[0] for x in r] for m, r in runs.items()}))

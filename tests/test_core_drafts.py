@@ -135,3 +135,49 @@ async def test_the_cost_models_learn_fresh_and_ahead_passes_apart(monkeypatch):
     assert all(rows == plan.rows and not plan.prefills for rows, _, plan in reported)
     assert all(not ahead for _, ahead, plan in reported if plan.drafted)
     assert any(ahead for _, ahead, _ in reported)  # failed drafts stop: later passes are planned ahead
+
+
+class DryPeeking:
+    """A source that never finds a draft, and says so when peeked (`lanes.drafts`' ngram and suffix can)."""
+
+    def peek(self, job, after, most):
+        return ()
+
+    def propose(self, job, most):
+        return ()
+
+    def forget(self, job):
+        pass
+
+
+async def test_a_source_that_says_it_finds_nothing_costs_no_fresh_pass():
+    """A fresh pass is planned only to carry a draft: a dry ask no longer costs one (the source is peeked
+    first), so the decode passes after each prompt's are planned ahead, as without a drafter."""
+    backend = FakeBackend(lanes=4, blocks=64, vocab=VOCAB, max_model_len=512)
+    async with running(backend, drafts=DryPeeking(), draft_tokens=4) as core:
+        streams = [await core.submit(request) for request in requests(max_tokens=60)]
+        for stream in streams:
+            await collect(stream)
+        stats = core.statistics().drafts
+    prompt_passes = sum(1 for plan in backend.plans if plan.prefills)
+    assert stats.pieces == 0 and not any(plan.drafted for plan in backend.plans)
+    assert stats.fresh.passes <= prompt_passes and stats.ahead.passes > 50, (stats, prompt_passes)
+
+
+class Late(FakeDrafter):
+    """Finds nothing for a stream's first four tokens, then the fake's own draws (prompt lookup at a start)."""
+
+    def propose(self, job, most):
+        return super().propose(job, most) if len(job.generated) > 3 else ()
+
+
+async def test_with_fixed_lengths_a_stream_drafts_once_its_source_finds_a_draft_on_a_device_that_feeds():
+    """Tests and the fuzzer fix every lane's draft at its most: no chain of fed passes starts while a drafter
+    wants drafts, so a source dry at first still drafts once it finds one."""
+    backend = FakeBackend(lanes=2, blocks=64, vocab=VOCAB, max_model_len=512, feeds=True)
+    async with running(backend, drafts=Late(VOCAB, 0.0), draft_tokens=4, draft_control=False) as core:
+        outcome = await collect(await core.submit(Request(tuple(range(3, 8)), greedy(30, ignore_eos=True))))
+    (alone,), _ = await run([Request(tuple(range(3, 8)), greedy(30, ignore_eos=True))])
+    assert seen(outcome) == seen(alone)
+    assert [p.drafted for p in backend.plans[:4]] == [0, 0, 0, 0] and all(p.drafted for p in backend.plans[4:-1])
+    assert not any(p.fed for p in backend.plans)

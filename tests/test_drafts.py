@@ -13,7 +13,7 @@ import torch
 import trio
 
 import tiny
-from lanes.core.drafting import PROBE, Drafting
+from lanes.core.drafting import EXPLORE, PROBE, Drafting
 from lanes.drafts.model import DraftModel
 from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
@@ -116,7 +116,10 @@ class Source:
 def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_drafts_fail():
     jobs = [Stream(i, (1,)) for i in range(4)]
     drafting = Drafting(Source(), most=6)
-    assert trio.run(lambda: drafting.begin(jobs)) is None and set(drafting.plan(jobs).values()) == {6}  # no cost yet
+    trio.run(lambda: drafting.begin(jobs))  # the first decision explores: plain passes ahead get timed
+    assert set(drafting.plan(jobs).values()) == {0}
+    trio.run(lambda: drafting.begin(jobs))
+    assert set(drafting.plan(jobs).values()) == {6}  # no cost yet
     for rows, seconds in [(1, 0.100), (8, 0.1035), (64, 0.1315), (4, 0.1015)]:  # a row costs 0.5 ms over 99.5 ms
         drafting.passed(rows, seconds)
     assert drafting.fresh.per_row == pytest.approx(0.0005, rel=1e-6) and drafting.fresh.fixed == pytest.approx(0.0995, rel=1e-6)
@@ -178,18 +181,20 @@ def test_load_control_stops_asking_for_streams_whose_source_finds_no_draft():
     assert lengths[0] == 0 and lengths[1] == 3  # lane 1 as before: its fourth token (0.6^4) does not pay
 
 
-def test_load_control_that_drafts_nothing_still_probes_one_token_every_probe_th_decision():
-    """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting."""
+def test_load_control_that_drafts_nothing_still_probes_one_token_less_and_less_often():
+    """A fit that makes rows dear and the fixed cost nothing (one stalled pass can) must not end drafting; but a
+    probe is a fresh pass, dear on a GPU, so each one doubles the decisions to the next."""
     jobs = [Stream(i, (1,)) for i in range(3)]
     drafting = Drafting(Source(), most=6)
     for rows, seconds in [(1, 0.001), (4, 0.004), (16, 0.016)]:  # all per row, nothing fixed: no draft pays
         drafting.passed(rows, seconds)
     drafting.observe(jobs[1], 4, 4)  # lane 1's drafts were all kept: it is the one probed
+    drafting.passed(3, 0.003, ahead=True)  # a plain pass ahead is timed already: no decision explores
     plans = []
-    for _ in range(2 * PROBE):
+    for _ in range(7 * PROBE):
         trio.run(lambda: drafting.begin(jobs))
         plans.append(dict(drafting.plan(jobs)))
-    assert [i for i, p in enumerate(plans) if sum(p.values())] == [PROBE - 1, 2 * PROBE - 1]
+    assert [i for i, p in enumerate(plans) if sum(p.values())] == [PROBE - 1, 3 * PROBE - 1, 7 * PROBE - 1]
     assert plans[PROBE - 1] == {0: 0, 1: 1, 2: 0}
 
 
@@ -214,3 +219,118 @@ def test_load_control_drafts_only_what_beats_a_plain_pass_planned_ahead():
     chosen = dict(drafting._ready)
     trio.run(lambda: drafting.begin(jobs))
     assert drafting.plan(jobs) == chosen == {0: 4, 1: 4, 2: 4, 3: 4}  # the fresh plan drafts what was decided
+
+
+def test_load_control_that_always_drafts_times_a_plain_pass_ahead_every_explore_decisions():
+    """Drafts that pay by the fresh line alone would keep every pass fresh, and what a plain pass planned ahead
+    costs would never be learnt: once EXPLORE decisions have gone by without one, a decision drafts nothing."""
+    jobs = [Stream(i, (1,)) for i in range(2)]
+    drafting = Drafting(Source(), most=4)
+    for rows, seconds in [(2, 0.0100), (6, 0.0104), (10, 0.0108)]:  # rows nearly free: every token pays
+        drafting.passed(rows, seconds)
+    sums = []
+    for _ in range(2 * EXPLORE + 2):
+        trio.run(lambda: drafting.begin(jobs))
+        sums.append(sum(drafting.plan(jobs).values()))
+    assert [i for i, n in enumerate(sums) if n == 0] == [0, EXPLORE + 1]
+    drafting.passed(2, 0.001, ahead=True)  # a plain pass ahead was timed: no exploring for EXPLORE more
+    drafted = []
+    for _ in range(EXPLORE):
+        if drafting.would_draft(jobs):
+            drafted.append(sum(drafting._ready.values()))
+    assert drafted == [1] * 4  # 2 tokens a ms ahead beat any drafted pass here: probes alone, after 16, 32, 64, 128
+
+
+def test_a_peek_is_what_the_source_proposes_once_the_drawn_tokens_are_the_streams():
+    """Load control asks before a pass's draws are applied: prompt lookup's peek at the drawn tokens equals
+    its proposal once they are the stream's (the n-grams they make looked for among the unindexed positions)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(500):
+        vocab = rng.choice([3, 5, 20])
+        prompt = tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 30)))
+        drawn = [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
+        split = rng.randint(max(0, len(drawn) - 3), len(drawn))
+        peeking, proposing = NgramDrafter(), NgramDrafter()
+        for drafter in (peeking, proposing):
+            for i in range(split + 1):
+                drafter.propose(Stream(1, prompt, drawn[:i]), 4)
+        assert peeking.peek(Stream(1, prompt, drawn[:split]), drawn[split:], 4) == proposing.propose(Stream(1, prompt, drawn), 4)
+    suffix = SuffixDrafter(depth=4, floor=0.3)
+    job = Stream(2, (8, 10, 11, 12, 8, 10))
+    assert suffix.peek(job, (), 3) == suffix.propose(job, 3) == (11, 12, 8)
+    assert suffix.peek(job, (11,), 2) == (12, 8) and suffix.propose(job, 3) == (11, 12, 8)  # a peek changes nothing
+
+
+class Peeking(Source):
+    """Proposes `draft` to the streams listed, nothing to the others, and can say so before it is asked."""
+
+    def __init__(self, finds, draft=(1, 2, 3, 4)) -> None:
+        self.finds, self.draft, self.peeked = finds, draft, []
+
+    def peek(self, job, after, most):
+        self.peeked.append((job.id, tuple(after)))
+        return self.draft[:most] if job.id in self.finds else ()
+
+    def propose(self, job, most):
+        return self.peek(job, (), most)
+
+
+def test_load_control_with_a_peeking_source_plans_no_fresh_pass_for_a_dry_ask():
+    """A fresh pass costs the device a wait for the host: when the source says no lane would find a draft, the
+    passes stay planned ahead; a lane drafts at most what its source has."""
+    jobs = [Stream(i, (1,), [5]) for i in range(3)]
+    source = Peeking(set(), draft=(1, 2))
+    drafting = Drafting(source, most=4)
+    for rows, seconds in [(3, 0.0100), (9, 0.0106), (18, 0.0115)]:  # rows nearly free: every token pays
+        drafting.passed(rows, seconds)
+    drafting.passed(3, 0.009, ahead=True)  # a plain pass ahead is timed already: no decision explores
+    assert drafting._choose(jobs) == {0: 4, 1: 4, 2: 4}  # unpeeked, every lane is taken to find a draft
+    assert drafting.would_draft(jobs, {0: (7,), 2: (8, 9)}) is False
+    assert source.peeked == [(0, (7,)), (1, ()), (2, (8, 9))]
+    source.finds = {1}
+    assert drafting.would_draft(jobs) is True and drafting._ready == {0: 0, 1: 2, 2: 0}
+
+
+def test_a_lane_that_does_not_draft_learns_its_rate_from_its_would_be_drafts():
+    """Each peeked draft is scored against the tokens its lane then draws (a drafted token is kept exactly
+    when it equals the lane's draw): a lane learns its rate without a drafted pass, and its source's
+    finding rate too."""
+    copying, wandering, dry = Stream(0, (1,), [5]), Stream(1, (1,), [5]), Stream(2, (1,), [5])
+    jobs = [copying, wandering, dry]
+    drafting = Drafting(Peeking({0, 1}), most=4)
+    for rows, seconds in [(3, 0.003), (12, 0.012), (24, 0.024)]:  # all per row: no draft pays, nothing drafts
+        drafting.passed(rows, seconds)
+    drafting.passed(3, 0.003, ahead=True)
+    for _ in range(12):
+        assert drafting.would_draft(jobs) is False  # each lane's draft (1, 2, 3, 4) is kept to be scored
+        copying.generated += [1, 2, 3, 4]  # what it drew: its whole draft, kept
+        wandering.generated += [1, 9, 9, 9]  # one kept, the second tried and failed
+        dry.generated += [7, 7, 7, 7]
+    drafting._score(jobs)
+    kept, tried = (1 - 0.8 ** 12) / 0.2 * 4, (1 - 0.8 ** 12) / 0.2 * 4  # decayed sums of 12 drafts
+    assert drafting._rate(0) == pytest.approx((0.8 ** 12 * 1.2 + kept) / (0.8 ** 12 * 2 + tried))
+    assert drafting._rate(1) == pytest.approx((0.8 ** 12 * 1.2 + kept / 4) / (0.8 ** 12 * 2 + tried / 2))
+    assert drafting._rate(2) == pytest.approx(0.6) and drafting._found[2][0] == pytest.approx(0.8 ** 12)
+    assert drafting.statistics().pieces == 0  # nothing was drafted
+
+
+def test_load_control_asks_as_often_as_an_ask_costs_a_twentieth_of_the_passes_it_spans():
+    """An ask (peeks, scores, the decision) is host time: on a CPU's 20 ms passes it is asked every pass, on a
+    GPU's fed 1 ms passes with many lanes every few."""
+    jobs = [Stream(i, (1,), [5]) for i in range(8)]
+    drafting = Drafting(Peeking(set()), most=4)
+    assert drafting.asks_every() == 1  # no pass ahead timed yet
+    for _ in range(3):
+        drafting.passed(8, 0.020, ahead=True)
+    drafting.would_draft(jobs)
+    assert drafting._asked < 0.001 and drafting.asks_every() == 1
+    fast = Drafting(Peeking(set()), most=4)
+    for _ in range(3):
+        fast.passed(8, 0.001, ahead=True)
+    fast.would_draft(jobs)
+    fast._asked = 0.00018  # as 64 lanes' peeks took on a GPU's host
+    assert fast.asks_every() == 4
+    fast._asked = 0.01
+    assert fast.asks_every() == 16  # at most MOST_ASK

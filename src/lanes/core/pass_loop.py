@@ -25,9 +25,6 @@ from .plan import PassResult, Plan
 from .stream import BackendFailed, EngineError, Failed, Finished
 
 
-CHECK = 4  # with a drafter, every 4th pass planned ahead asks it whether a fresh plan would draft
-
-
 @dataclass(frozen=True)
 class InFlight:
     """A pass stepped whose result is not applied yet, and the fed pass queued behind it on the device."""
@@ -46,7 +43,7 @@ class PassLoop:
         self._feeds = backend.shape.feeds  # the device can queue a decode pass fed by the draws of the one before
         self._cached = admission.caches
         self._step = 0
-        self._planned_ahead = 0  # passes planned ahead (with a drafter: every CHECK-th asks it)
+        self._planned_ahead = 0  # passes planned ahead since the drafter was last asked
         self.closing = False  # set by `close`: admit nothing new, end once the lanes are empty
         self._wake = trio.Event()  # set by the lane core's mailbox and timers: something to look at
         self.passes = self.prefill_rows = self.decode_rows = 0
@@ -77,6 +74,7 @@ class PassLoop:
                     await self._wake.wait()
                     continue
                 self._step += 1
+                self._planned_ahead = 0  # planned afresh: the asks' count starts again
                 queued = self._fed(((plan, None),), by_lane)
                 try:
                     flight = InFlight(plan, by_lane, await self._run(plan, following=queued), queued)
@@ -85,7 +83,7 @@ class PassLoop:
                 back = self._timed(plan, back, ahead=False)
             plan, by_lane, result, following = flight.plan, flight.by_lane, flight.result, flight.queued
             flight = None
-            if following is None and plan.ahead and self._steady() and self._ahead_allowed(by_lane):
+            if following is None and plan.ahead and self._steady() and self._ahead_allowed(plan, result, by_lane):
                 following = self._planned(planner.plan(self._step, by_lane, self.limits, after=((plan, result),)))
             if following is None:
                 self._settle(plan, result, by_lane)
@@ -115,16 +113,31 @@ class PassLoop:
             self._drafting.passed(plan.rows, now - back, ahead)
         return now
 
-    def _ahead_allowed(self, by_lane: dict[int, Job]) -> bool:
-        """With a drafter, the next pass is planned ahead unless a fresh plan would draft (asked every
-        CHECK-th pass: a fresh plan costs the device a wait for the host)."""
+    def _ahead_allowed(self, plan: Plan, result: PassResult, by_lane: dict[int, Job]) -> bool:
+        """With a drafter, the next pass is planned ahead unless a fresh plan would draft, asked after a
+        drafted pass and as often as the drafter's `asks_every` otherwise (a fresh plan costs the device a
+        wait for the host; an ask costs the host its time)."""
         drafting = self._drafting
         if drafting is None:
             return True
         self._planned_ahead += 1
-        if self._planned_ahead % CHECK:
+        if not (plan.drafted or self._planned_ahead >= drafting.asks_every()):
             return True
-        return not drafting.would_draft([j for j in by_lane.values() if j.phase is Phase.DECODE and j.live])
+        self._planned_ahead = 0
+        return not self._would_draft(((plan, result),), by_lane)
+
+    def _would_draft(self, after, by_lane: dict[int, Job]) -> bool:
+        """The drafter asked with the tokens the passes in flight drew for each job (those whose result is in)."""
+        drawn: dict[int, tuple[int, ...]] = {}
+        for plan, result in after:
+            if result is None:
+                continue
+            for work, sampled in zip(plan.work, result.sampled):
+                if sampled is not None:
+                    job_id = by_lane[work.piece.lane].id
+                    drawn[job_id] = drawn.get(job_id, ()) + sampled.tokens
+        jobs = [j for j in by_lane.values() if j.phase is Phase.DECODE and j.live]
+        return self._drafting.would_draft(jobs, drawn)
 
     def _planned(self, plan: Plan) -> Plan | None:
         if not plan.work:
@@ -133,10 +146,14 @@ class PassLoop:
         return plan
 
     def _fed(self, after, by_lane: dict[int, Job]) -> Plan | None:
-        """The pass to queue behind `after`'s newest on a device that feeds it that pass's draws."""
+        """The pass to queue behind `after`'s newest on a device that feeds it that pass's draws. A drafter is
+        not asked here: on the H200 a chain of fed passes broken on the draws known (one pass short) cost more
+        than the drafts won (bench/RESULTS.md), so it is asked where passes are planned ahead unfed."""
         newest = after[-1][0]
         if not (self._feeds and newest.feedable and self._steady()):
             return None
+        if self._drafting is not None and not self._drafting.control:
+            return None  # fixed draft lengths (tests, the fuzzer): every pass asks, as every lane drafts its most
         return self._planned(planner.plan(self._step, by_lane, self.limits, after=after))
 
     def _steady(self) -> bool:

@@ -9,6 +9,7 @@ context's n-grams, grown by the tokens added since its last draft, so a draft co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,18 +30,47 @@ class NgramDrafter:
         self._contexts: dict[int, _Context] = {}  # job id -> its context and index
 
     def propose(self, job, most: int) -> tuple[int, ...]:
+        return self.peek(job, (), most)
+
+    def peek(self, job, after: Sequence[int], most: int) -> tuple[int, ...]:
+        """What `propose` gives once `after` (tokens drawn, not yet the stream's) follows the context: the
+        n-grams ending inside `after` or at the context's last token are not in the index, so they are
+        looked for among those few positions, the latest occurrences."""
+        context = self._context(job)
+        tokens = context.tokens
+        if not after:
+            last = len(tokens) - 1
+            for n in range(min(self.longest, last + 1), self.shortest - 1, -1):
+                start = context.follows.get(tuple(tokens[last - n + 1:]))
+                if start is not None:
+                    return tuple(tokens[start:start + most])
+            return ()
+        # the context's tail and `after`, not a copy of the whole context: `base` is the tail's first position
+        base = max(0, len(tokens) - self.longest - 1)
+        tail = tokens[base:] + list(after)
+        last = base + len(tail) - 1
+        unindexed = range(last - 1, max(context.indexed, len(tokens) - 1) - 1, -1)  # the n-grams `after` makes
+        for n in range(min(self.longest, last + 1), self.shortest - 1, -1):
+            gram = tail[-n:]
+            start = next((p + 1 for p in unindexed if p - n + 1 >= base and tail[p - n + 1 - base:p + 1 - base] == gram), None)
+            if start is None:
+                start = context.follows.get(tuple(gram))
+            if start is not None:
+                draft = tokens[start:start + most]
+                if len(draft) < most:
+                    draft += tail[max(0, start - base, len(tokens) - base):][:most - len(draft)]
+                return tuple(draft)
+        return ()
+
+    def _context(self, job) -> _Context:
+        """The stream's context with its generated tokens, indexed up to (not with) its last token."""
         context = self._contexts.get(job.id)
         if context is None:
             context = self._contexts[job.id] = _Context(list(job.prompt))
         tokens = context.tokens
         tokens.extend(job.generated[len(tokens) - len(job.prompt):])
-        last = len(tokens) - 1
-        self._index(context, min(last, context.indexed + STEP))  # n-grams ending before the last token
-        for n in range(min(self.longest, last + 1), self.shortest - 1, -1):
-            start = context.follows.get(tuple(tokens[last - n + 1:]))
-            if start is not None:
-                return tuple(tokens[start:start + most])
-        return ()
+        self._index(context, min(len(tokens) - 1, context.indexed + STEP))  # n-grams ending before the last token
+        return context
 
     def _index(self, context: _Context, end: int) -> None:
         tokens, follows = context.tokens, context.follows

@@ -15,6 +15,7 @@ in over a few passes, never in one stall.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -74,6 +75,11 @@ class SuffixDrafter:
         self._shared = SuffixIndex(self.depth)
 
     def propose(self, job, most: int) -> tuple[int, ...]:
+        return self.peek(job, (), most)
+
+    def peek(self, job, after: Sequence[int], most: int) -> tuple[int, ...]:
+        """What `propose` gives once `after` (tokens drawn, not yet the stream's) follows the context, from
+        the follower counts without `after`'s own (close: only load control reads a peek)."""
         stream = self._streams.get(job.id)
         if stream is None:
             stream = self._streams[job.id] = _Stream(list(job.prompt), SuffixIndex(self.depth), out=len(job.prompt))
@@ -82,7 +88,7 @@ class SuffixDrafter:
         upto = min(len(tokens), stream.added + STEP)
         stream.index.add(tokens[:upto], stream.added)
         stream.added = upto
-        context = tokens[-self.depth:]
+        context = (tokens[-self.depth:] + list(after))[-self.depth:] if after else tokens[-self.depth:]
         draft: list[int] = []
         likelihood = 1.0
         while len(draft) < most:
