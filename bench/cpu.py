@@ -9,8 +9,8 @@ in it (about 10 minutes on 2 cores; the CPU's own kernels without AMX, see GGML_
 requests: greedy, end-of-sequence ignored, the same random prompts of `--prompt-len` tokens to all, `--new`
 tokens a stream. lanes runs N concurrent streams on its lane core; transformers runs generate() on a batch
 of N; llama.cpp runs batch 1 only, the figure the issue's bar compares with. Rounds are interleaved (every
-configuration once a round) and the figure is the median round. tok/s counts prompt and new tokens of
-every stream over the wall time.
+configuration once a round) and the figure is the median round; each run starts a second after the one before, once the idle workers' OpenMP
+threads have stopped spinning. tok/s counts prompt and new tokens of every stream over the wall time.
 
 Memory: each worker imports its libraries, then reads its resident memory from /proc before the load,
 after it, and after its runs (the growth is the model's memory: weights, KV cache, vocabulary, buffers).
@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SETTLE = 1.0  # seconds between runs: the last contender's OpenMP threads spin on after it (libgomp's default)
+ENVIRONMENT = dict(os.environ)  # as given, before lanes is imported (it sets its own OpenMP wait policy)
 LLAMA_VENV = HERE / ".venv-llamacpp"
 LLAMA_CPP = "llama-cpp-python==0.3.36"
 # ggml's x86 kernels this CPU has (its /proc/cpuinfo flags), but not AMX: its AMX matmul died with SIGILL on
@@ -58,6 +60,7 @@ def rss_mb() -> float:
 
 
 def worker_lanes(model: str, lanes: int, context: int):
+    import lanes as _lanes  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads libgomp)
     import torch
     import trio
 
@@ -184,7 +187,8 @@ class Worker:
     def __init__(self, kind: str, python: str, model: Path, lanes: int, context: int) -> None:
         self.kind = kind
         cmd = [python, __file__, "--worker", kind, "--model", str(model), "--lanes", str(lanes), "--context", str(context)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        # each contender as it runs by itself: lanes' worker sets its own environment when it imports lanes
+        env = dict(ENVIRONMENT, PYTHONPATH=os.pathsep.join([str(HERE), ENVIRONMENT.get("PYTHONPATH", "")]))
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
 
@@ -267,6 +271,7 @@ def main() -> None:
     for r in range(args.rounds):
         print(f"round {r + 1} of {args.rounds} ...", file=sys.stderr)
         for kind, n in configs:
+            time.sleep(SETTLE)
             reply = workers[kind].generate(prompts[:n], args.new)
             times[(kind, n)].append(reply["seconds"])
             firsts[(kind, n)] = reply["tokens"]

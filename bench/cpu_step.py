@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import lanes  # noqa: F401  (first: it sets OpenMP's wait policy before torch loads libgomp)
 import torch
-
 from lanes.core.blocks import BlockPool, BlockTable
 from lanes.core.passes import Piece
 from lanes.gpu.device import choose

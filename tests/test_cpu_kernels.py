@@ -1,5 +1,6 @@
 """The CPU path's own kernels besides the products: paged attention (lanes/quant/cpu_attention.cpp) against
-torch's SDPA in float64, the MLP's silu (cpu_activation.cpp) against torch's, and RoPE's cos and sin; and
+torch's SDPA in float64, the MLP's silu (cpu_activation.cpp) against torch's, RMSNorm (cpu_norm.cpp) against
+the decoders' formula in float64, and RoPE's cos and sin; and
 their batch invariance: a row's output is the same, bit for bit, whichever rows share its pass (alone, as
 one of a drafted lane's 1 + k rows, beside other lanes long or short, beside a prompt being prefilled).
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from lanes.families.activation import silu_mul
+from lanes.families.norm import rms_norm
 from lanes.families.rope import cos_sin
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
 from lanes.quant.native import unavailable_reason
@@ -98,6 +100,26 @@ def test_silu_mul_equals_torchs_in_float64_and_a_row_does_not_depend_on_the_othe
     for rows in (1, 3, 33, 699):
         assert torch.equal(silu_mul(gate_up[:rows]), got[:rows]), rows
     assert torch.equal(silu_mul(gate_up[5:6]), got[5:6])
+
+
+@pytest.mark.parametrize("width", [64, 100, 576])
+def test_rms_norm_equals_the_references_in_float64_and_a_row_does_not_depend_on_the_others(width):
+    """Our RMSNorm against the Hugging Face decoders' formula in float64, rows of every scale (and a row of
+    zeros); [T, heads, D] as q/k norms call it; a row's bits the same alone, in a few rows or in hundreds."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(700, width, generator=g) * torch.logspace(-3, 3, 700).unsqueeze(1)
+    x[3] = 0.0
+    weight = torch.randn(width, generator=g)
+    got = rms_norm(x, weight, 1e-5)
+    x64 = x.double()
+    expected = weight.double() * (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=1e-30)
+    torch.testing.assert_close(got, F.rms_norm(x, (width,), weight, 1e-5), rtol=2e-6, atol=1e-30)
+    for rows in (1, 3, 33, 699):
+        assert torch.equal(rms_norm(x[:rows], weight, 1e-5), got[:rows]), rows
+    assert torch.equal(rms_norm(x[5:6], weight, 1e-5), got[5:6])
+    heads = rms_norm(x[:12].reshape(3, 4, width), weight, 1e-5)
+    assert torch.equal(heads.reshape(12, width), got[:12])
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 64, 128, 256])

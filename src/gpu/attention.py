@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..quant.native import available
 from . import fp8
 
 KEY_ALIGN = 64  # keys padded to a multiple of this: few distinct shapes, and aligned rows for the kernels
@@ -111,18 +112,10 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: t
         exps.index_copy_(0, rows.slots, e)
 
 
-@functools.cache
-def cpu_kernel() -> bool:
-    """Whether the CPU's own attention kernel (lanes/quant/cpu_attention.cpp) runs here."""
-    from ..quant.native import unavailable_reason
-
-    return unavailable_reason() is None
-
-
 def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float,
                     exponents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each lane's new rows over its whole context. q: [T, Hq, D] -> [T, Hq, D]."""
-    if q.device.type == "cpu" and exponents is None and q.dtype == cache_k.dtype == torch.float32 and cpu_kernel():
+    if q.device.type == "cpu" and exponents is None and q.dtype == cache_k.dtype == torch.float32 and available():
         return torch.ops.lanes_quant.paged_attention(q, cache_k, cache_v, rows.key_slots, rows.row_first, rows.row_len, scale)
     hq, d = q.shape[1], q.shape[2]
     hkv = cache_k.shape[1]

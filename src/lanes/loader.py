@@ -152,7 +152,8 @@ def load_model(
     quantizes a full-precision checkpoint's matrices (QuantizeRefused where that cannot be done here)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
-    bound_heap_retention()  # a process serving a model keeps no burst's activations resident
+    if placement.device.type == "cpu":
+        bound_heap_retention()  # a CPU's activations are host memory: no burst's peak stays resident
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
     tokenizer = checkpoint.tokenizer()

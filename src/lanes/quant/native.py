@@ -1,5 +1,5 @@
 """The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; cpu_attention.cpp: paged attention;
-cpu_activation.cpp: the gated MLP's silu): compiled on first use with the machine's C++ compiler, cached under
+cpu_activation.cpp: the gated MLP's silu; cpu_norm.cpp: RMSNorm): compiled on first use with the machine's C++ compiler, cached under
 `$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
 torch.compile can trace through them)."""
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "cpu_attention.cpp", "cpu_activation.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "cpu_attention.cpp", "cpu_activation.cpp",
+                                                 "cpu_norm.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "cpu_math.h", "cpu_pool.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
@@ -77,6 +78,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def available() -> bool:
+    """Whether the kernels run here (built the first time asked): the CPU path's parts ask it before each op."""
+    return _load()[0] is not None
+
+
 def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::mm_tiles")
     def _(x, w, kind, n, k):
@@ -93,6 +99,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::silu_mul")
     def _(gate_up):
         return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+    @torch.library.register_fake("lanes_quant::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
 
     @torch.library.register_fake("lanes_quant::take_rows")
     def _(w, ids, kind, n, k):
