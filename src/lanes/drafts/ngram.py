@@ -38,13 +38,6 @@ class NgramDrafter:
         looked for among those few positions, the latest occurrences."""
         context = self._context(job)
         tokens = context.tokens
-        if not after:
-            last = len(tokens) - 1
-            for n in range(min(self.longest, last + 1), self.shortest - 1, -1):
-                start = context.follows.get(tuple(tokens[last - n + 1:]))
-                if start is not None:
-                    return tuple(tokens[start:start + most])
-            return ()
         # the context's tail and `after`, not a copy of the whole context: `base` is the tail's first position
         base = max(0, len(tokens) - self.longest - 1)
         tail = tokens[base:] + list(after)
