@@ -127,7 +127,7 @@ async def run_engine(backend, model, prompts, new: int) -> tuple[float, float]:
     return produced / took, statistics.mean(firsts)
 
 
-async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
+async def run_http(backend, model, prompts, new: int, writers: int = 0) -> tuple[float, float]:
     """(tokens/s, mean time to first token) through the OpenAI API: the server here, its clients in
     processes of their own, a few streams each (one Python client parsing 64 streams was slower than the
     server, and a client sharing the server's event loop and GIL would be measured too)."""
@@ -138,7 +138,8 @@ async def run_http(backend, model, prompts, new: int) -> tuple[float, float]:
     from lanes.runtime import Runtime
 
     core = LaneCore(backend, text_factory(model.tokenizer), [], max_rows=4096, max_queue=1024)
-    service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len, vocab_size=model.config.vocab_size)
+    service = Service(core, model.tokenizer, "bench", "qwen2", backend.shape.max_model_len, vocab_size=model.config.vocab_size,
+                      stream_writers=writers)
     runtime = Runtime(service, port=0)
     spawn = multiprocessing.get_context("spawn")
     count = max(1, min(8, (os.cpu_count() or 2) // 2, len(prompts)))
@@ -304,6 +305,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="only our engine (no transformers peers)")
+    parser.add_argument("--stream-writers", type=int, default=0, help="also through HTTP with this many stream writers")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each graphed engine setting; the median is shown")
     parser.add_argument("--tp", type=int, default=1, help="above 1: served --tp N beside --tp 1 (bench/gpu_tp.py)")
     parser.add_argument("--drafts", default=None,
@@ -360,6 +362,9 @@ def main() -> None:
                         lambda: trio.run(run_engine, backend, model, prompts[:n], args.new), args.repeats if graphs else 1)
             if graphs:
                 measure("lanes via HTTP", most, lambda: trio.run(run_http, backend, model, prompts[:most], args.new), args.repeats)
+                if args.stream_writers:
+                    measure(f"lanes via HTTP w{args.stream_writers}", most, lambda: trio.run(
+                        run_http, backend, model, prompts[:most], args.new, args.stream_writers), args.repeats)
                 for n in counts:
                     replay, whole = step_times(backend, n, args.prompt + args.new // 2)
                     steps.append((n, replay, whole))

@@ -1,19 +1,23 @@
 """The HTTP path beside the engine in process, in one run: tokens/s, time to first token, and the server's
 CPU time a streamed token.
 
-    python bench/http_path.py [--streams 64,256] [--new 128] [--prompt 16] [--pass-ms 2] [--runs 3]
+    python bench/http_path.py [--streams 64,256] [--new 128] [--prompt 16] [--pass-ms 2] [--runs 3] [--stream-writers N]
     python bench/http_path.py --model PATH|random --device cuda [--streams 64] [--prompt 128] [--new 128]
 
 Without `--model` the engine runs on a stand-in device whose every pass takes `--pass-ms` of wall time
 (the event loop runs on meanwhile, as it does while the GPU works) and draws fixed tokens at no cost: the
 fake backend of the tests reads each lane's whole context back every pass (~90 us of CPU a token here),
-which would be measured as the server's cost. With `--model` it is that model on the device (CUDA graphs).
+which would be measured as the server's cost. Its passes end as a GPU's do: polled once a scheduling round
+and waited for in a worker thread when the loop would block (the CUDA backend's `PassWaiter`), not with
+`trio.sleep`, whose wake epoll rounds up to the next whole millisecond (a 2 ms pass then ended 0.35 ms late
+in process and 1 ms late through HTTP). With `--model` it is that model on the device (CUDA graphs).
 
 Each setting runs the same streams twice: in process (one task a stream reading its events) and through
 the OpenAI API (streaming completions, `ignore_eos`, from client processes of their own that read the SSE
 bytes with minimal parsing: the first `data: {` is the first token, the usage chunk gives the count).
-`cpu us/tok` is this process's CPU time (every thread, user and system; `sys` the system part) over the run,
-a streamed token, the least of the runs (other work on the host only ever adds to it); tokens/s and first
+`cpu us/tok` is the server's CPU time (this process's every thread, user and system, and its stream
+writers' with `--stream-writers`; `sys` the system part, `loop` this process's alone) over the run, a
+streamed token, the least of the runs (other work on the host only ever adds to it); tokens/s and first
 tokens are the median run's; `http us/tok` is
 what the HTTP path adds to it (through HTTP less in process): the server's own cost a token. `served ttft`
 is the first token as the server saw it (from the request's head to its first event, its /metrics
@@ -42,6 +46,7 @@ from lanes.core.lane_core import LaneCore
 from lanes.core.plan import PassResult, Sampled
 from lanes.core.sampling import SamplingParams
 from lanes.core.stream import Finished, Request, TokenEvent
+from lanes.gpu.polling import PassWaiter
 from lanes.heap import freeze_startup_heap
 
 VOCAB = 256
@@ -52,6 +57,27 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class Due:
+    """A stand-in pass in flight (`lanes.gpu.polling.Polled`): done at a time, its wait a thread's sleep."""
+
+    waits = True
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.at
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+
+    def read(self) -> None:
+        return None
+
+    def result(self) -> None:
+        self.wait()
+
+
 class FixedPass:
     """A stand-in device: every pass takes `seconds` from when it is handed over; tokens depend on the lane
     and the step only (so drawing them costs nothing the server's cost would hide in)."""
@@ -59,12 +85,14 @@ class FixedPass:
     def __init__(self, seconds: float, lanes: int, max_model_len: int) -> None:
         self.seconds, self.passes = seconds, 0
         self.shape = BackendShape(lanes, lanes * (max_model_len // 16 + 1) + 16, 16, VOCAB, max_model_len)
+        self._waiter, self._limiter = PassWaiter(), trio.CapacityLimiter(1)
 
     async def step(self, plan, started=None, following=None) -> PassResult:
         self.passes += 1
+        due = Due(time.perf_counter() + self.seconds)
         if started is not None:
             started()
-        await trio.sleep(self.seconds)
+        await self._waiter.collect(due, self._limiter)
         return PassResult(tuple(Sampled((LETTERS[(plan.step * 7 + w.piece.lane) % len(LETTERS)],)) if w.sample else None
                                 for w in plan.work), tuple(None for _ in plan.work))
 
@@ -162,10 +190,17 @@ class Setup:
         return LaneCore(self.backend, text_factory(self.tokenizer), [], max_rows=8192, max_queue=4096)
 
 
-def cpu_times(since: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
-    """(user + system, system) CPU seconds of this process, every thread, since `since`."""
+def cpu_times(since: tuple[float, float, float] = (0.0, 0.0, 0.0), pids=()) -> tuple[float, float, float]:
+    """(user + system, system, this process's user + system) CPU seconds of this process, every thread, and
+    of the processes `pids` (the server's stream writers), since `since`."""
     times = os.times()
-    return times.user + times.system - since[0], times.system - since[1]
+    user, system = times.user, times.system
+    own = user + system
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        user, system = user + int(fields[11]) / tick, system + int(fields[12]) / tick
+    return user + system - since[0], system - since[1], own - since[2]
 
 
 async def in_process(setup: Setup) -> tuple[float, float, tuple[float, float], None]:
@@ -198,20 +233,23 @@ async def in_process(setup: Setup) -> tuple[float, float, tuple[float, float], N
     return produced / took, statistics.mean(firsts), cpu, None
 
 
-async def through_http(setup: Setup, processes: int) -> tuple[float, float, tuple[float, float], float]:
+async def through_http(setup: Setup, processes: int, writers: int = 0) -> tuple[float, float, tuple[float, float], float]:
     """(tokens/s, mean time to first token, CPU seconds, the mean first token as the server saw it: from
-    the request's head to its first token's event) of the same streams through the server."""
+    the request's head to its first token's event) of the same streams through the server, with `writers`
+    stream writer processes (their CPU counted as the server's)."""
     from lanes.http.service import Service
     from lanes.runtime import Runtime
 
     core = setup.core()
     service = Service(core, setup.tokenizer, "bench", setup.family, setup.backend.shape.max_model_len,
-                      vocab_size=setup.vocab, max_open=setup.streams + 64)
+                      vocab_size=setup.vocab, max_open=setup.streams + 64, stream_writers=writers)
     runtime = Runtime(service, port=0)
     spawn = multiprocessing.get_context("spawn")
     go, pipes, children = spawn.Event(), [], []
     async with trio.open_nursery() as nursery:
         listening = await nursery.start(runtime.run)
+        pids = runtime.writers.pids if runtime.writers is not None else []
+        passes = setup.backend.passes if isinstance(setup.backend, FixedPass) else 0
         for i in range(processes):
             receive, send = spawn.Pipe(duplex=False)
             children.append(spawn.Process(target=clients, args=(listening.port, setup.prompts[i::processes],
@@ -221,11 +259,14 @@ async def through_http(setup: Setup, processes: int) -> tuple[float, float, tupl
             pipes.append(receive)
         try:
             replies = [await trio.to_thread.run_sync(pipe.recv) for pipe in pipes]  # each "ready" or its failure
-            cpu = cpu_times()
+            cpu = cpu_times(pids=pids)
             go.set()  # every child has connected: they send together
             if all(kind == "ready" for kind, _ in replies):
                 replies = [await trio.to_thread.run_sync(pipe.recv) for pipe in pipes]
-            cpu = cpu_times(cpu)
+            cpu = cpu_times(cpu, pids)
+            if pids and passes is not None and isinstance(setup.backend, FixedPass):
+                messages = sum(link.messages for link in runtime.writers.links)
+                say(f"  {messages} messages to the writers over {setup.backend.passes - passes} passes")
         finally:
             go.set()
             for child in children:
@@ -320,6 +361,8 @@ def main() -> None:
                         "Qwen2.5-0.5B shape): run it instead of the stand-in")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--stream-writers", type=int, default=0, help="also through HTTP with this many stream "
+                        "writer processes (their CPU counted as the server's)")
     parser.add_argument("--profile", default=None, help="write cProfile's stats of the server's last HTTP run here")
     args = parser.parse_args()
     processes = args.clients or max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -330,26 +373,32 @@ def main() -> None:
             freeze_startup_heap()  # as `lanes serve` does once start-up is over
             trio.run(in_process, setup)  # warm-up: graphs, first allocations
             runs: dict[str, list] = {"in process": [], "HTTP": []}
+            if args.stream_writers:
+                runs[f"HTTP w{args.stream_writers}"] = []
             for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on both
                 say(f"{n} streams, run {i + 1} of {args.runs} ...")
                 runs["in process"].append(trio.run(in_process, setup))
                 runs["HTTP"].append(profiled(args.profile, through_http, setup, min(processes, n)))
+                if args.stream_writers:
+                    runs[f"HTTP w{args.stream_writers}"].append(trio.run(through_http, setup, min(processes, n),
+                                                                         args.stream_writers))
             median = {path: sorted(r)[len(r) // 2] for path, r in runs.items()}  # the median run, by tok/s
-            least = {path: min(run[2] for run in r) for path, r in runs.items()}  # contention only adds CPU time
+            least = {path: min((run[2] for run in r), key=lambda c: c[0]) for path, r in runs.items()}  # contention only adds CPU time
             rows.append((n, {path: (*run[:2], least[path], run[3]) for path, run in median.items()}))
     device = f"{args.model} on {args.device}" if args.model else f"a fixed {args.pass_ms:g} ms pass"
     print(f"\nthe engine on {device}; prompt {args.prompt}, {args.new} new tokens a stream, median of {args.runs} "
           f"(CPU: the least of them); {processes} client processes")
-    print(f"{'streams':>7} {'path':>10} {'tok/s':>8} {'ttft ms':>8} {'cpu us/tok':>10} {'sys':>5}  {'x tok/s':>7} "
-          f"{'x ttft':>7} {'http us/tok':>11} {'served ttft':>11}")
+    print(f"{'streams':>7} {'path':>10} {'tok/s':>8} {'ttft ms':>8} {'cpu us/tok':>10} {'sys':>5} {'loop':>5}  "
+          f"{'x tok/s':>7} {'x ttft':>7} {'http us/tok':>11} {'served ttft':>11}")
     for n, median in rows:
-        (rate, ttft, (cpu, sys_cpu), _), tokens = median["in process"], n * args.new
+        (rate, ttft, (cpu, sys_cpu, own), _), tokens = median["in process"], n * args.new
         print(f"{n:>7} {'in process':>10} {rate:>8.0f} {ttft * 1e3:>8.1f} {cpu / tokens * 1e6:>10.1f} "
-              f"{sys_cpu / tokens * 1e6:>5.1f}")
-        (h_rate, h_ttft, (h_cpu, h_sys), served) = median["HTTP"]
-        print(f"{n:>7} {'HTTP':>10} {h_rate:>8.0f} {h_ttft * 1e3:>8.1f} {h_cpu / tokens * 1e6:>10.1f} "
-              f"{h_sys / tokens * 1e6:>5.1f}  {h_rate / rate:>7.2f} {h_ttft / ttft:>7.2f} "
-              f"{(h_cpu - cpu) / tokens * 1e6:>11.1f} {served * 1e3:>11.1f}")
+              f"{sys_cpu / tokens * 1e6:>5.1f} {own / tokens * 1e6:>5.1f}")
+        for path in [p for p in median if p != "in process"]:
+            (h_rate, h_ttft, (h_cpu, h_sys, h_own), served) = median[path]
+            print(f"{n:>7} {path:>10} {h_rate:>8.0f} {h_ttft * 1e3:>8.1f} {h_cpu / tokens * 1e6:>10.1f} "
+                  f"{h_sys / tokens * 1e6:>5.1f} {h_own / tokens * 1e6:>5.1f}  {h_rate / rate:>7.2f} "
+                  f"{h_ttft / ttft:>7.2f} {(h_cpu - cpu) / tokens * 1e6:>11.1f} {served * 1e3:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ async def test_200_openai_calls_alternating_an_unknown_endpoint_and_a_real_one_a
     assert counted(service, "unrouted", 404) == 100 and counted(service, "chat", 200) == 100
 
 
-async def test_a_stream_that_outlives_the_idle_timeout_ends_with_done(tmp_path):
-    service, backend = fake_service(tmp_path, idle_timeout=0.1)
+@pytest.mark.parametrize("writers", [0, 1])
+async def test_a_stream_that_outlives_the_idle_timeout_ends_with_done(tmp_path, writers):
+    service, backend = fake_service(tmp_path, idle_timeout=0.1, stream_writers=writers)
     backend.pass_seconds = 0.05  # 12 tokens: about 0.6 s, six idle timeouts
     async with serving(service) as url:
         with trio.fail_after(30):
@@ -181,9 +182,10 @@ async def stalled_client(url: str, max_tokens: int) -> trio.SocketStream:
     return stream
 
 
-async def test_eight_clients_that_stop_reading_lose_their_lanes_after_the_send_timeout_and_a_ninth_is_served(tmp_path):
+@pytest.mark.parametrize("writers", [0, 1])
+async def test_eight_clients_that_stop_reading_lose_their_lanes_after_the_send_timeout_and_a_ninth_is_served(tmp_path, writers):
     service, _ = fake_service(tmp_path, lanes=8, blocks=2048, max_model_len=4096, send_timeout=0.5,
-                              send_buffer=4096, cache_bytes=512)
+                              send_buffer=4096, cache_bytes=512, stream_writers=writers)
     core = service.core
     async with serving(service) as url:
         with trio.fail_after(60):
@@ -208,9 +210,10 @@ async def test_eight_clients_that_stop_reading_lose_their_lanes_after_the_send_t
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
 
 
-async def test_a_stalled_stream_ends_at_its_request_deadline_when_that_comes_before_the_send_timeout(tmp_path):
+@pytest.mark.parametrize("writers", [0, 1])
+async def test_a_stalled_stream_ends_at_its_request_deadline_when_that_comes_before_the_send_timeout(tmp_path, writers):
     service, _ = fake_service(tmp_path, lanes=1, blocks=2048, max_model_len=4096, send_timeout=60, send_buffer=4096,
-                              request_timeout=0.5)
+                              request_timeout=0.5, stream_writers=writers)
     async with serving(service) as url:
         with trio.fail_after(30):
             async with await stalled_client(url, 4000):

@@ -58,8 +58,9 @@ async def stream_text(http: httpx.AsyncClient, payload: dict, leave_after: int |
     return "".join(parts)
 
 
-async def test_32_streaming_clients_a_third_leaving_the_rest_equal_their_solo_runs(tiny_model):
-    service = torch_service(tiny_model, lanes=8, max_rows=128)
+@pytest.mark.parametrize("writers", [0, 2])
+async def test_32_streaming_clients_a_third_leaving_the_rest_equal_their_solo_runs(tiny_model, writers):
+    service = torch_service(tiny_model, lanes=8, max_rows=128, stream_writers=writers)
     chooser = random.Random(5)
     leaving = {i: chooser.randint(1, 12) for i in chooser.sample(range(32), 11)}
     results: dict[int, str | None] = {}
@@ -106,8 +107,9 @@ async def test_a_non_streaming_client_that_leaves_cancels_its_stream_and_frees_i
     assert (info["lanes_busy"], info["admission"]["open_requests"]) == (0, 0)
 
 
-async def test_past_its_deadline_a_request_gets_a_timeout_and_a_stream_an_error_event(tmp_path):
-    service, backend = fake_service(tmp_path, request_timeout=0.3)
+@pytest.mark.parametrize("writers", [0, 1])
+async def test_past_its_deadline_a_request_gets_a_timeout_and_a_stream_an_error_event(tmp_path, writers):
+    service, backend = fake_service(tmp_path, request_timeout=0.3, stream_writers=writers)
     async with serving(service) as url:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             entered, release = backend.hold()
@@ -156,7 +158,8 @@ async def test_tokenize_detokenize_models_info_and_metrics(tiny_model):
                              "decides": False}
             assert info["admission"] == {"max_queue": 64, "queued": 0, "max_model_len": 256, "request_timeout": 600.0,
                                          "max_body_bytes": 4 << 20, "max_header_bytes": 16 << 10,
-                                         "max_open_requests": 1024, "open_requests": 0, "send_timeout": 30.0}
+                                         "max_open_requests": 1024, "open_requests": 0, "send_timeout": 30.0,
+                                         "stream_writers": 0}
             await http.post(CHAT, json={"messages": HELLO, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
             metrics = (await http.get("/metrics")).text
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
@@ -215,6 +218,37 @@ async def test_serve_ends_cleanly_with_exit_0_on_sigterm_and_sigint(tmp_path, st
     assert "shutting down: no live streams" in log and "garbage collector" not in log  # that line is debug's
 
 
+async def test_serve_with_stream_writers_streams_and_ends_cleanly_when_the_whole_group_gets_sigterm(tmp_path):
+    tiny.build("llama", tmp_path)
+    seen = bytearray()
+    with trio.fail_after(120):
+        server = await trio.lowlevel.open_process([*SERVE, "--model", str(tmp_path), "--port", "0", "--stream-writers", "2"],
+                                                  stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            url = (await line_with(server.stderr, "serving", seen)).rsplit(" on ", 1)[1].strip()
+            writers = [int(pid) for path in Path(f"/proc/{server.pid}/task").glob("*/children")
+                       for pid in path.read_text().split()]
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", f"{url}{CHAT}", json={"messages": HELLO, "max_tokens": 3, "stream": True,
+                                                                    "ignore_eos": True, "stream_options": {"include_usage": True}}) as reply:
+                    lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+                info = (await http.get(f"{url}/v1/info")).json()
+            for pid in (server.pid, *writers):  # as a service manager or a terminal signals the whole group
+                os.kill(pid, signal.SIGTERM)
+            assert await server.wait() == 0
+            async for chunk in server.stderr:
+                seen += chunk
+        finally:
+            server.kill()
+    assert len(writers) == 2 and info["admission"]["stream_writers"] == 2
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 3 and lines[-1] == "data: [DONE]"
+    for pid in writers:  # ended with the server, and reaped by it
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    log = seen.decode()
+    assert "stopped" in log and "Traceback" not in log and "stopped answering" not in log
+
+
 def test_help_answers_without_the_engine_and_its_flags_defaults_are_what_the_readme_says():
     shown = subprocess.run([sys.executable, "-c", "import sys; from lanes.cli import main\n"
                             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
@@ -223,7 +257,7 @@ def test_help_answers_without_the_engine_and_its_flags_defaults_are_what_the_rea
     assert shown.stdout.strip().splitlines()[-1] == "False False"  # --help never pays for torch's import
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "| `--tp`, `--rank`, `--master`, `--master-port` | 1, none, none, none |" in readme
-    for flag in ("--send-timeout", "--keep-alive-timeout", "--send-buffer", "--max-media-parts"):
+    for flag in ("--send-timeout", "--keep-alive-timeout", "--send-buffer", "--stream-writers", "--max-media-parts"):
         assert f"| `{flag}` |" in readme and flag in shown.stdout
 
 

@@ -43,7 +43,8 @@ async def test_info_and_metrics_show_a_busy_lane_and_a_queued_request_then_idle(
             idle_metrics = gauges((await http.get("/metrics")).text)
     facts = {"model": "tiny", "family": "fake", "lanes": 1, "max_rows": 256, "tp": 1, "vision": False, "decides": False}
     limits = {"max_queue": 2, "max_model_len": 64, "request_timeout": 600.0, "max_body_bytes": MAX_BODY,
-              "max_header_bytes": 16 << 10, "max_open_requests": 1024, "send_timeout": 30.0}
+              "max_header_bytes": 16 << 10, "max_open_requests": 1024, "send_timeout": 30.0,
+              "stream_writers": 0}
     assert {key: busy[key] for key in facts} == facts and {key: idle[key] for key in facts} == facts
     assert busy["lanes_busy"] == 1 and busy["admission"] == {**limits, "queued": 1, "open_requests": 2}
     assert idle["lanes_busy"] == 0 and idle["admission"] == {**limits, "queued": 0, "open_requests": 0}

@@ -27,6 +27,7 @@ import h11
 import trio
 
 from .protocol import App, Exchange, HttpRequest, HttpResponse, ServerLimits
+from .writers import Relayed, StreamWriters
 
 MAX_RECV = 64 << 10
 LINGER = 1.0  # seconds a connection closing on unread input reads on, so its answer is not reset
@@ -50,8 +51,8 @@ class Abort(Exception):
 class HttpServer:
     """Serves `app` on one or more listeners; `begin_close()` starts the graceful end of `run`."""
 
-    def __init__(self, app: App, limits: ServerLimits) -> None:
-        self.app, self.limits = app, limits
+    def __init__(self, app: App, limits: ServerLimits, writers: StreamWriters | None = None) -> None:
+        self.app, self.limits, self.writers = app, limits, writers
         self.closing = False
         self._connections: set[Connection] = set()
         self._close_requested = trio.Event()  # set by begin_close
@@ -259,30 +260,42 @@ class Connection:
             data = b"" if bodiless else self.h11.send(h11.Data(data=response.body))
             await self._send(head + data + self.h11.send(h11.EndOfMessage()), late)
             return response.status
-        answer = response.deadline_answer
-        # One cancel scope for the whole stream (not one a chunk): the body's waits end at the deadline.
-        with trio.move_on_at(exchange.deadline if answer is not None else late) as waiting:
-            async with aclosing(response.body) as chunks:  # closed even if the head cannot be written
-                await self._send(head, late)
-                try:
-                    async for chunk in chunks:
-                        if chunk and not bodiless:
-                            await self._send(b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed
-                                             else self.h11.send(h11.Data(data=chunk)), late)
-                except Exception as error:
-                    if isinstance(error, Gone):
-                        raise
-                    log.exception("a streamed answer to %s %s failed", request.method, request.path)
-                    raise Abort(500) from None
-        if waiting.cancelled_caught:
-            if answer is None or self._partial:
-                raise Gone  # a chunk cut half-way: nothing more can be written on this connection
-            exchange.status = answer[0]
-            last = b"%x\r\n%b\r\n" % (len(answer[1]), answer[1]) if framed else self.h11.send(h11.Data(data=answer[1]))
-            await self._send((b"" if bodiless else last) + self.h11.send(h11.EndOfMessage()), late)
-            return answer[0]
-        await self._send(self.h11.send(h11.EndOfMessage()), late)
-        return exchange.status or response.status
+        relayed: Relayed | None = None
+        try:
+            answer = response.deadline_answer
+            # One cancel scope for the whole stream (not one a chunk): the body's waits end at the deadline.
+            with trio.move_on_at(exchange.deadline if answer is not None else late) as waiting:
+                async with aclosing(response.body) as chunks:  # closed even if the head cannot be written
+                    await self._send(head, late)
+                    writers = self.server.writers
+                    relayed = None if bodiless or writers is None else writers.open(self._fd)
+                    send = self._send if relayed is None else partial(self._relay, relayed)
+                    try:
+                        async for chunk in chunks:
+                            if chunk and not bodiless:
+                                await send(b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed
+                                           else self.h11.send(h11.Data(data=chunk)), late)
+                    except Exception as error:
+                        if isinstance(error, Gone):
+                            raise
+                        log.exception("a streamed answer to %s %s failed", request.method, request.path)
+                        raise Abort(500) from None
+            send = self._send if relayed is None else partial(self._relay, relayed)
+            status = exchange.status or response.status
+            last = b""
+            if waiting.cancelled_caught:
+                if answer is None or self._partial:
+                    raise Gone  # a chunk cut half-way: nothing more can be written on this connection
+                status = exchange.status = answer[0]
+                if not bodiless:
+                    last = b"%x\r\n%b\r\n" % (len(answer[1]), answer[1]) if framed else self.h11.send(h11.Data(data=answer[1]))
+            await send(last + self.h11.send(h11.EndOfMessage()), late)
+            if relayed is not None:
+                await self._flushed(relayed, late)
+            return status
+        finally:
+            if relayed is not None:
+                relayed.drop()
 
     async def _refuse(self, status: int, exchange: Exchange | None) -> HttpResponse:
         """Answer a request the server will not read on (the connection closes after it)."""
@@ -321,6 +334,25 @@ class Connection:
                 await trio.lowlevel.wait_writable(self.stream.socket)
                 continue
             raise Gone  # the client stopped reading
+
+    async def _relay(self, relayed: Relayed, data: bytes, until: float = math.inf) -> None:
+        """`_send` through a stream writer: raises Gone when the client has left, when its socket has taken
+        nothing for `send_timeout` seconds (the writer's count), or at `until` while the writer is behind."""
+        if relayed.gone:
+            raise Gone
+        relayed.write(data)
+        if relayed.behind:
+            with trio.move_on_at(until):
+                await relayed.room()
+            if relayed.behind or relayed.gone:
+                raise Gone
+
+    async def _flushed(self, relayed: Relayed, until: float) -> None:
+        """Until the writer has written all of the answer: the connection's next bytes follow it."""
+        with trio.move_on_at(until):
+            await relayed.finish()
+        if not relayed.flushed:
+            raise Gone
 
     async def _close(self, linger: bool) -> None:
         """End the connection: our end of stream first, then (after a refusal) what the client still

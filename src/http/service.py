@@ -63,6 +63,7 @@ class Service:
     idle_timeout: float = 30.0  # a kept-alive connection waits this long for its next request
     send_buffer: int | None = None  # SO_SNDBUF of each connection (None: the kernel sizes it)
     max_open: int = 1024
+    stream_writers: int = 0  # processes that write streamed answers to their sockets (0: the event loop writes)
     tool_system: "ToolSystem | None" = None
     followers: object = None  # rank 0's Followers when there are ranks above 0
     decision_timeout: float = 30.0
@@ -126,6 +127,7 @@ class Service:
                 "max_open_requests": self.max_open,
                 "open_requests": self.open_requests.open,
                 "send_timeout": self.send_timeout,
+                "stream_writers": self.stream_writers,
             },
             "kv_blocks": {"total": stats.blocks_total, "free": stats.blocks_free},
             "kv_cache": self.kv_cache,

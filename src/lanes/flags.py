@@ -7,6 +7,17 @@ import argparse
 from .models import DEFAULT_MODEL
 
 
+def count(text: str) -> int:
+    """A whole number from 0 to 64 (processes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 64")
+    return value
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a Hugging Face folder, a .gguf file or a default's name")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -57,5 +68,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle kept-alive connection waits for its next request")
     parser.add_argument("--send-buffer", type=int, default=None,
                         help="bytes of kernel send buffer a connection (SO_SNDBUF; default: the kernel's autotuning)")
+    parser.add_argument("--stream-writers", type=count, default=0,
+                        help="processes that write streamed answers to the clients' sockets, one message a pass "
+                             "each, off the lane core's event loop (0: the event loop writes them)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")

@@ -23,6 +23,7 @@ from .gpu.ranks import PeerLost
 from .http.app import LanesApp
 from .http.server import HttpServer
 from .http.service import Service
+from .http.writers import StreamWriters
 
 log = logging.getLogger("lanes")
 
@@ -47,19 +48,24 @@ class Runtime:
         self._stop = trio.Event()  # set by request_stop (a signal, or a test)
         self.listening: Listening | None = None
         self.failure: Exception | None = None  # what ended the server, if it did not stop cleanly
+        self.writers: StreamWriters | None = None  # the stream writers, once started (--stream-writers)
 
     def request_stop(self) -> None:
         self._stop.set()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         core: LaneCore = self.service.core
-        server = HttpServer(LanesApp(self.service), self.service.limits)
+        count = self.service.stream_writers
+        writers = StreamWriters(count, self.service.send_timeout) if count else None
+        server = HttpServer(LanesApp(self.service), self.service.limits, writers)
         followers = self.service.followers
         async with trio.open_nursery() as nursery:
             if followers is not None:
                 await nursery.start(self._guard, followers.run)
             await nursery.start(self._guard, core.run)
-            bound = await nursery.start(server.run, self.host, self.port)
+            if writers is not None:
+                self.writers = await nursery.start(writers.run)
+            bound = await nursery.start(self._serve, server, writers)
             host, port = bound[0]
             self.listening = Listening(host, port)
             log.info("serving %s on %s", self.service.model_name, self.listening.url)
@@ -82,6 +88,14 @@ class Runtime:
             raise self.failure
         check_books(core)
         log.info("stopped")
+
+    async def _serve(self, server: HttpServer, writers: StreamWriters | None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The HTTP server, then its stream writers (every answer they carried has ended with the server)."""
+        try:
+            await server.run(self.host, self.port, task_status=task_status)
+        finally:
+            if writers is not None:
+                writers.close()
 
     async def _guard(self, actor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run an actor; if it fails (the device, or a rank), every waiter has its error and the server stops."""
