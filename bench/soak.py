@@ -1,6 +1,6 @@
 """Soak: many clients against a live `python -m lanes serve` for a set time, then SIGTERM.
 
-    python bench/soak.py [--seconds 600] [--clients 24] [--slow 3] [--model M]
+    python bench/soak.py [--seconds 600] [--clients 24] [--slow 3] [--model M] [--stream-writers N]
 
 Clients draw (from a fixed seed) chat and completions requests, streams they leave after a few chunks,
 decisions, tokenize calls, malformed bodies, wrong types, oversize bodies and oversize headers; a few slow
@@ -41,6 +41,8 @@ def start_server(args, log_path: str) -> tuple[subprocess.Popen, str]:
                "--max-model-len", "1024", "--decider", "--body-timeout", "5"]
     if args.model:
         command += ["--model", args.model]
+    if args.stream_writers:
+        command += ["--stream-writers", str(args.stream_writers)]
     log = open(log_path, "w")
     server = subprocess.Popen(command, stderr=log, stdout=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 300
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--slow", type=int, default=3)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--stream-writers", type=int, default=0, help="the server's --stream-writers")
     args = parser.parse_args()
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"lanes-soak-{os.getpid()}.log")
     server, url = start_server(args, log_path)

@@ -41,7 +41,7 @@ async def read_all(body) -> list[bytes]:
 
 
 HEAD = {"id": "cmpl-x", "created": 1, "model": "tiny"}
-TEXTS = ["He", "llo \"wo\"", "rld ü\n"]
+TEXTS = ["He", "llo \"wo\"", "rld ü\n\x01\t\u2028\\ 😀"]
 
 
 async def test_tokens_waiting_together_are_one_batch_of_per_token_completion_chunks(tmp_path):
