@@ -128,6 +128,22 @@ async def test_ninety_six_streams_opened_together_are_all_whole_through_two_writ
     assert all(link.alive for link in links)
 
 
+async def test_an_http_1_0_stream_through_a_writer_is_unframed_and_its_connection_ends_after_it(tmp_path):
+    service, _ = fake_service(tmp_path, stream_writers=1)
+    body = json.dumps({"messages": HELLO, "max_tokens": 5, "ignore_eos": True, "stream": True}).encode()
+    with trio.fail_after(30):
+        async with running(service) as (_, url):
+            stream, _ = await connect(url)
+            async with stream:
+                await stream.send_all(head("POST", CHAT, body, version="1.0") + body)
+                seen = b""
+                while data := await stream.receive_some(65536):  # the server's end of stream ends the answer
+                    seen += data
+    answer_head, _, answer = seen.partition(b"\r\n\r\n")
+    assert answer_head.startswith(b"HTTP/1.1 200") and b"chunked" not in answer_head.lower()
+    assert answer.startswith(b"data: {") and answer.endswith(b"data: [DONE]\n\n") and answer.count(b'"content"') >= 5
+
+
 async def test_a_writer_that_dies_ends_its_streams_frees_their_lanes_and_the_server_writes_on_alone(tmp_path, caplog):
     service, backend = fake_service(tmp_path, lanes=2, blocks=2048, max_model_len=4096, stream_writers=1)
     backend.pass_seconds = 0.01  # 2,000 tokens: 20 s, far more than the test takes

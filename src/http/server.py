@@ -273,8 +273,11 @@ class Connection:
                     try:
                         async for chunk in chunks:
                             if chunk and not bodiless:
-                                await send(b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed
-                                           else self.h11.send(h11.Data(data=chunk)), late)
+                                data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed else self.h11.send(h11.Data(data=chunk))
+                                if relayed is not None and not (relayed.behind or relayed.gone):
+                                    relayed.write(data)  # `_relay`'s usual case, without a coroutine a token
+                                else:
+                                    await send(data, late)
                     except Exception as error:
                         if isinstance(error, Gone):
                             raise

@@ -94,6 +94,8 @@ class WriterLink:
         return relayed
 
     def push(self, kind: int, conn: int, payload: bytes | int = b"") -> None:
+        if not self.alive:
+            return  # its answers have all been told GONE: nothing more reaches a writer that is lost
         self._queue.append((kind, conn, payload))
         self._wake.set()
 
