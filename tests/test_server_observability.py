@@ -78,3 +78,28 @@ async def test_each_request_gets_one_log_line_with_its_id_status_tokens_and_time
     assert ok["ttft"] != "-" and float(ok["ttft"][:-1]) <= float(ok["total"])
     assert (bad["endpoint"], bad["status"], bad["prompt"], bad["completion"], bad["ttft"]) == ("chat", "400", "0", "0", "-")
     assert bad["id"] != ok["id"]
+
+
+def test_the_inter_token_histogram_fed_at_once_reads_as_prometheus_clients_own_fed_a_value_at_a_time():
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from lanes.http.metrics import LATENCY_BUCKETS, Buckets
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("lanes_inter_token_seconds", "Time between a stream's tokens.", ["model_name"],
+                          buckets=LATENCY_BUCKETS, registry=theirs).labels("tiny")
+    buckets = Buckets("lanes_inter_token_seconds", "Time between a stream's tokens.", LATENCY_BUCKETS, "tiny")
+    ours.register(buckets)
+    chooser = random.Random(3)
+    for _ in range(20):  # requests, each its gaps at once: bounds themselves, zeros, past the last bound
+        gaps = [chooser.choice([0.0, 0.005, 0.01, 0.25, 60.0, 61.0, chooser.random()]) for _ in range(50)]
+        for gap in gaps:
+            reference.observe(gap)
+        buckets.observe_all(gaps)
+    expected = [line for line in generate_latest(theirs).decode().splitlines() if "_created" not in line]
+    got = generate_latest(ours).decode().splitlines()
+    sums = [float(line.rsplit(" ", 1)[1]) for line in (expected, got) for line in line if "_sum" in line]
+    assert [line for line in got if "_sum" not in line] == [line for line in expected if "_sum" not in line]
+    assert abs(sums[0] - sums[1]) < 1e-9

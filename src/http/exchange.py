@@ -70,8 +70,7 @@ class Exchange:
         m.duration.observe(total)
         if t.ttft is not None:
             m.ttft.observe(t.ttft)
-        for gap in t.gaps:
-            m.inter_token.observe(gap)
+        m.inter_token.observe_all(t.gaps)
         ttft = "-" if t.ttft is None else f"{t.ttft:.3f}s"
         self.service.log.info("%s %s status=%d prompt=%d completion=%d ttft=%s total=%.3fs", self.id, self.endpoint,
                               status, self.prompt_tokens, self.completion_tokens, ttft, total)

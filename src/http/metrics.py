@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -26,14 +29,39 @@ class Metrics:
         self.completion_tokens = Counter("lanes_completion_tokens", "Tokens generated.", **named).labels(model_name)
         self.ttft = Histogram("lanes_time_to_first_token_seconds", "Time from request to its first token.",
                               buckets=LATENCY_BUCKETS, **named).labels(model_name)
-        self.inter_token = Histogram("lanes_inter_token_seconds", "Time between a stream's tokens.",
-                                     buckets=LATENCY_BUCKETS, **named).labels(model_name)
+        self.inter_token = Buckets("lanes_inter_token_seconds", "Time between a stream's tokens.", LATENCY_BUCKETS,
+                                   model_name)
+        self.registry.register(self.inter_token)
         self.duration = Histogram("lanes_request_seconds", "Time to answer a request.", buckets=LATENCY_BUCKETS,
                                   **named).labels(model_name)
         self.registry.register(_CoreCollector(model_name, core_stats, ranks, pass_times))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class Buckets:
+    """A histogram fed a request's values at once (its tokens' gaps, at its end): counts a bucket, one
+    writer, read at scrape time. A bisection a value, where prometheus_client's `observe` takes 0.7 us,
+    once for every streamed token."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], model_name: str) -> None:
+        self.name, self.doc, self.bounds, self.model_name = name, doc, bounds, model_name
+        self.counts = [0] * (len(bounds) + 1)  # the last: past every bound (+Inf)
+        self.sum = 0.0
+
+    def observe_all(self, values) -> None:
+        counts, bounds, place = self.counts, self.bounds, bisect.bisect_left  # a bucket holds values <= its bound
+        for value in values:
+            counts[place(bounds, value)] += 1
+        self.sum += sum(values)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative = list(itertools.accumulate(self.counts))
+        buckets = [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        family.add_metric([self.model_name], buckets, self.sum)
+        yield family
 
 
 class _Named:
