@@ -273,7 +273,7 @@ class Connection:
                     try:
                         async for chunk in chunks:
                             if chunk and not bodiless:
-                                data = b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed else self.h11.send(h11.Data(data=chunk))
+                                data = self._framed(chunk, framed)
                                 if relayed is not None and not (relayed.behind or relayed.gone):
                                     relayed.write(data)  # `_relay`'s usual case, without a coroutine a token
                                 else:
@@ -291,7 +291,7 @@ class Connection:
                     raise Gone  # a chunk cut half-way: nothing more can be written on this connection
                 status = exchange.status = answer[0]
                 if not bodiless:
-                    last = b"%x\r\n%b\r\n" % (len(answer[1]), answer[1]) if framed else self.h11.send(h11.Data(data=answer[1]))
+                    last = self._framed(answer[1], framed)
             await send(last + self.h11.send(h11.EndOfMessage()), late)
             if relayed is not None:
                 await self._flushed(relayed, late)
@@ -337,6 +337,10 @@ class Connection:
                 await trio.lowlevel.wait_writable(self.stream.socket)
                 continue
             raise Gone  # the client stopped reading
+
+    def _framed(self, chunk: bytes, framed: bool) -> bytes:
+        """A streamed chunk as the connection sends it: our chunked framing, or h11's (HTTP/1.0: unframed)."""
+        return b"%x\r\n%b\r\n" % (len(chunk), chunk) if framed else self.h11.send(h11.Data(data=chunk))
 
     async def _relay(self, relayed: Relayed, data: bytes, until: float = math.inf) -> None:
         """`_send` through a stream writer: raises Gone when the client has left, when its socket has taken

@@ -58,7 +58,8 @@ class Writer:
         while True:
             fds = array.array("i")
             try:
-                data, ancillary, flags, _ = self.control.recvmsg(wire.MESSAGE, socket.CMSG_SPACE(wire.MOST_FDS * fds.itemsize))
+                data, ancillary, flags, _ = self.control.recvmsg(wire.MESSAGE,
+                                                                 socket.CMSG_SPACE(wire.MOST_FDS * fds.itemsize))
             except BlockingIOError:
                 return True
             if not data:
@@ -162,7 +163,7 @@ class Writer:
 def main(argv: list[str]) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket a stream: as many as the system lets us hold
-    for stop in (signal.SIGINT, signal.SIGTERM):  # a ^C or a service stop reaches the group: the server ends us, once written
+    for stop in (signal.SIGINT, signal.SIGTERM):  # a ^C or a service stop reaches the group: the server ends us
         signal.signal(stop, signal.SIG_IGN)
     control = socket.socket(fileno=int(argv[0]))
     control.setblocking(False)

@@ -89,7 +89,8 @@ class Runtime:
         check_books(core)
         log.info("stopped")
 
-    async def _serve(self, server: HttpServer, writers: StreamWriters | None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve(self, server: HttpServer, writers: StreamWriters | None, *,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The HTTP server, then its stream writers (every answer they carried has ended with the server)."""
         try:
             await server.run(self.host, self.port, task_status=task_status)

@@ -106,7 +106,8 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    request_timeout=args.request_timeout, api_key=args.api_key, tool_system=tool_system,
                    decides=args.decider, decision_timeout=args.decision_timeout, max_open=args.max_open,
                    body_timeout=args.body_timeout, send_timeout=args.send_timeout, idle_timeout=args.keep_alive_timeout,
-                   send_buffer=args.send_buffer, stream_writers=args.stream_writers, tp=spec.world if spec else 1, followers=followers,
+                   send_buffer=args.send_buffer, stream_writers=args.stream_writers,
+                   tp=spec.world if spec else 1, followers=followers,
                    vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
                    pass_times=backend.statistics, draft_method=method,
                    grammars=grammars, kv_cache=model.decoder.kv.describe(), weights=model.weights_census().as_json())
