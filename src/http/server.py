@@ -261,6 +261,7 @@ class Connection:
             await self._send(head + data + self.h11.send(h11.EndOfMessage()), late)
             return response.status
         relayed: Relayed | None = None
+        send = self._send  # through the connection's stream writer once it has one
         try:
             answer = response.deadline_answer
             # One cancel scope for the whole stream (not one a chunk): the body's waits end at the deadline.
@@ -269,7 +270,8 @@ class Connection:
                     await self._send(head, late)
                     writers = self.server.writers
                     relayed = None if bodiless or writers is None else writers.open(self._fd)
-                    send = self._send if relayed is None else partial(self._relay, relayed)
+                    if relayed is not None:
+                        send = partial(self._relay, relayed)
                     try:
                         async for chunk in chunks:
                             if chunk and not bodiless:
@@ -283,7 +285,6 @@ class Connection:
                             raise
                         log.exception("a streamed answer to %s %s failed", request.method, request.path)
                         raise Abort(500) from None
-            send = self._send if relayed is None else partial(self._relay, relayed)
             status = exchange.status or response.status
             last = b""
             if waiting.cancelled_caught:

@@ -74,7 +74,7 @@ class Writer:
                 self._flush(conn, self.clients.get(conn))
 
     def _apply(self, data: bytes, fds: list[int]) -> list[int]:
-        touched = []
+        touched: dict[int, None] = {}  # each connection once, in order: a pass's many records flush it once
         for kind, conn, payload in wire.records(data):
             client = self.clients.get(conn)
             if kind == wire.OPEN:
@@ -92,8 +92,8 @@ class Writer:
             elif kind == wire.DROP:
                 self._forget(conn, client)
                 continue
-            touched.append(conn)
-        return touched
+            touched[conn] = None
+        return list(touched)
 
     def _flush(self, conn: int, client: Client | None) -> None:
         if client is None:

@@ -256,9 +256,13 @@ class Drafting:
         if most <= 0 or job.media:  # no drafts over images and videos
             return ()
         draft = self.source.propose(job, most)
-        found, asked = self._found.get(job.id, FOUND_PRIOR)
-        self._found[job.id] = (DECAY * found + bool(draft), DECAY * asked + 1)
+        self._asked_source(job.id, bool(draft))
         return draft
+
+    def _asked_source(self, job_id: int, found: bool) -> None:
+        """The stream's source was asked (or a would-be draft scored): whether it found a draft, decayed."""
+        hits, asked = self._found.get(job_id, FOUND_PRIOR)
+        self._found[job_id] = (DECAY * hits + found, DECAY * asked + 1)
 
     def observe(self, job: Job, drafted: int, accepted: int) -> None:
         """A pass kept `accepted` of the `drafted` tokens proposed for `job`."""
@@ -286,8 +290,7 @@ class Drafting:
             if kept == len(drawn) < len(draft):
                 continue  # every token drawn so far agrees: wait for the rest
             del shadows[job.id]
-            found, asked = self._found.get(job.id, FOUND_PRIOR)
-            self._found[job.id] = (DECAY * found + bool(draft), DECAY * asked + 1)
+            self._asked_source(job.id, bool(draft))
             if draft:
                 self._learn(job.id, len(draft), kept)
 
