@@ -16,9 +16,9 @@ build are left out with the reason):
   ao-int8         torchao's Int8WeightOnlyConfig on an nn.Linear (torchao 0.18's CPU int4 is a prototype
                   over _weight_int4pack_mm_for_cpu, measured as int4pack)
   ind-q8/ind-q4   torch.compile (inductor) of dequantize-then-matmul over Q8_0-like / Q4_1-like planes
-  ours-<T>-tiles  lanes.quant: GGUF type T read in place, groups decoded in registers (few rows)
-  ours-<T>-panels lanes.quant: panels of rows decoded to fp32 by each thread, then BLAS (many rows)
-  ours-Q4_K/Q6_K  lanes.quant's few-rows path on the K-quants of Q4_K_M files (random blocks)
+  ours-<T>-int8   lanes.quant: Q4_1 / Q8_0 read in place, activations rounded to 8 bits a group of 32,
+                  integer dot products (AVX-512 VNNI), any number of rows
+  ours-Q4_K/Q6_K  lanes.quant's few-rows path on the K-quants of Q4_K_M files (random blocks), fp32
 A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up,
 rounds in which every contender runs in turn (interleaved), each a batch of calls of at least `--batch-ms`; the
 figure is the median over rounds of the time a call (the best round beside it: on a shared machine, the
@@ -146,20 +146,14 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
         add("ind-q8", ind8)
     from lanes.quant import QuantWeight, block_format
     from lanes.quant.native import kernels
-    from lanes.quant.weight import PANEL
 
     ops = kernels()
     for label, raw, kind in (("Q4_1", raw4, 3), ("Q8_0", raw8, 8)):
-        def tiles(raw=raw, kind=kind):
+        def integer(raw=raw, kind=kind):
             w = QuantWeight(torch.from_numpy(raw.copy()), block_format(kind), (n, k)).packed
-            return (lambda x: ops.mm_tiles(x, w, kind, n, k)), w.nbytes
+            return (lambda x: ops.mm_int8(x, w, kind, n, k)), w.nbytes
 
-        def panels(raw=raw, kind=kind):
-            w = QuantWeight(torch.from_numpy(raw.copy()), block_format(kind), (n, k)).packed
-            return (lambda x: ops.mm_panels(x, w, kind, n, k, PANEL)), w.nbytes
-
-        add(f"ours-{label}-tiles", tiles)
-        add(f"ours-{label}-panels", panels)
+        add(f"ours-{label}-int8", integer)
     for kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):
         def k_tiles(kind=kind):
             w = QuantWeight(torch.from_numpy(random_k_blocks(n, k, kind)), block_format(kind), (n, k)).packed

@@ -1,5 +1,6 @@
 """lanes.quant's kernels against the gguf package: every GGUF block format decoded bit for bit as
-`gguf.quants.dequantize` decodes it, and matmuls within fp32's summation bound of x @ dequantize(raw).T.
+`gguf.quants.dequantize` decodes it, and matmuls within fp32's summation bound of x @ dequantize(raw).T,
+where for Q8_0, Q4_0 and Q4_1 x is rounded to 8 bits a group of 32 first (int8_reference.in_8_bits).
 
 Rules: random blocks made here (the gguf package's quantizer for Q8_0/Q4_0/Q4_1, random bytes with sane
 f16 scales for the K-quants, which it cannot quantize); the reference product in float64; skipped only on
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 import tiny_gguf
+from int8_reference import in_8_bits
 from lanes.quant import FORMATS, QuantWeight, block_format
 from lanes.quant import weight as weight_module
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+INTEGER = {Q.Q8_0, Q.Q4_0, Q.Q4_1}  # multiplied in integers: activations rounded to 8 bits a group of 32
 
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the kernels need AVX-512")
 
@@ -47,6 +50,19 @@ def summation_bound(x: torch.Tensor, reference: np.ndarray) -> torch.Tensor:
     return gamma * (x.double().abs() @ torch.from_numpy(np.abs(reference)).double().T)
 
 
+def expected(kind: Q, raw: np.ndarray, reference: np.ndarray, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact product the kernels round, and the bound on their rounding: for the integer types x is
+    rounded to 8 bits first, and a Q4_1 value d q + m is summed as its two terms (|d q| + |m| bounds them)."""
+    if kind not in INTEGER:
+        return x.double() @ torch.from_numpy(reference).double().T, summation_bound(x, reference)
+    x8 = in_8_bits(x.double())
+    magnitude = np.abs(reference).astype(np.float64)
+    if kind == Q.Q4_1:
+        m = raw.reshape(raw.shape[0], -1, 20)[:, :, 2:4].copy().view(np.float16).astype(np.float64)  # [rows, groups, 1]
+        magnitude = (np.abs(reference.reshape(m.shape[0], -1, 32) - m) + np.abs(m)).reshape(reference.shape)
+    return x8 @ torch.from_numpy(reference).double().T, summation_bound(x8, magnitude)
+
+
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
 def test_every_value_decodes_as_the_gguf_package_decodes_it(kind):
     w, reference = weight_of(kind, 13, 512)
@@ -58,10 +74,33 @@ def test_every_value_decodes_as_the_gguf_package_decodes_it(kind):
 def test_matmul_is_within_fp32_summation_of_the_dequantized_product(kind, rows):
     w, reference = weight_of(kind, 67, 768, seed=rows)  # 67 rows: a partial tile of 4 and of a 64-row panel
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
-    exact = x.double() @ torch.from_numpy(reference).double().T
+    exact, bound = expected(kind, random_raw(kind, 67, 768, seed=rows), reference, x)
     got = w.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 67)
-    assert ((got.double() - exact).abs() <= summation_bound(x, reference)).all()
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", sorted(INTEGER), ids=lambda k: k.name)
+@pytest.mark.parametrize("width", [32, 64, 96, 224, 480, 512, 1056])  # chunks of 16, 8, 4, 2 and 1 groups
+def test_integer_kernels_take_any_width_in_whole_groups(kind, width):
+    w, reference = weight_of(kind, 21, width, seed=width)
+    assert np.array_equal(w.dequantize().numpy().view(np.uint32), reference.view(np.uint32))
+    x = torch.randn(9, width, generator=torch.Generator().manual_seed(width))
+    exact, bound = expected(kind, random_raw(kind, 21, width, seed=width), reference, x)
+    assert ((w.matmul(x).double() - exact).abs() <= bound).all()
+    assert torch.equal(w.matmul(x), torch.cat([w.matmul(x[i : i + 1]) for i in range(9)]))
+
+
+@pytest.mark.parametrize("kind", sorted(INTEGER), ids=lambda k: k.name)
+def test_rounding_activations_to_8_bits_costs_at_most_half_a_step_a_value(kind):
+    """The type's rounding bound against the full-precision product: |w_i| d/2 a value, d = amax / 127."""
+    w, reference = weight_of(kind, 40, 576, seed=7)
+    x = torch.randn(6, 576, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.01, 10, 576)
+    steps = (x.abs().reshape(6, -1, 32).amax(-1) / 127).repeat_interleave(32, dim=1).double()
+    half_step = (steps / 2) @ torch.from_numpy(np.abs(reference)).double().T
+    error = (w.matmul(x).double() - x.double() @ torch.from_numpy(reference).double().T).abs()
+    assert (error <= half_step * (1 + 1e-5) + summation_bound(x, reference)).all()
+    assert (x - in_8_bits(x)).abs().le(steps / 2 * (1 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
@@ -77,7 +116,7 @@ def test_a_rows_product_is_the_same_bits_on_either_path_at_any_row_count(kind, m
 
 
 def test_bf16_activations_come_back_in_bf16_rounded_once():
-    w, reference = weight_of(Q.Q4_1, 32, 256)
+    w, reference = weight_of(Q.Q4_K, 32, 256)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     got = w.matmul(x)
     exact = x.double() @ torch.from_numpy(reference).double().T
@@ -128,5 +167,5 @@ def test_many_rows_run_under_inference_mode():
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         got = w.matmul(x)
-    exact = x.double() @ torch.from_numpy(reference).double().T
-    assert ((got.double() - exact).abs() <= summation_bound(x, reference)).all()
+    exact, bound = expected(Q.Q4_1, random_raw(Q.Q4_1, 80, 256, seed=0), reference, x)
+    assert ((got.double() - exact).abs() <= bound).all()

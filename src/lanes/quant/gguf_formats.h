@@ -1,4 +1,4 @@
-// GGUF block formats decoded with AVX-512, 32 values of a row at a time.
+// The K-quant GGUF block formats decoded with AVX-512, 32 values of a row at a time.
 //
 // A format has `scales(row, groups, g0, count, scale, offset)`, which writes the fp32 scale(s) and offset of groups
 // [g0, g0 + count) of a row, and `group(row, g, scale, offset, w0, w1)`, which decodes values 32g .. 32g+31
@@ -22,15 +22,6 @@ inline uint16_t bits16(const uint8_t* p) {
 
 inline float f16(const uint8_t* p) { return _cvtsh_ss(bits16(p)); }
 
-// `count` consecutive f16 values converted to fp32 into out, 16 an instruction.
-inline void f16_planar(const uint8_t* first, int64_t count, float* out) {
-  for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1);
-    const __m256i halves = _mm256_maskz_loadu_epi16(lanes, first + 2 * i);
-    _mm512_mask_storeu_ps(out + i, lanes, _mm512_cvtph_ps(halves));
-  }
-}
-
 inline __m512i bytes16(const uint8_t* p) {  // 16 bytes widened to 16 int32 lanes
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -38,54 +29,6 @@ inline __m512i bytes16(const uint8_t* p) {  // 16 bytes widened to 16 int32 lane
 inline __m512i shifted(__m512i v, int shift) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)); }
 
 inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-// The 32-value formats are read planar, as layout.py repacks their rows at load (same bytes, reordered):
-// every block's quants first, then every block's f16 d, then (Q4_1) every block's f16 m, so that the
-// scales of 16 groups convert in one instruction. `groups` is the row's number of blocks.
-
-// Q8_0: per block int8 q[32] and f16 d; value d * q.
-struct Q8_0 {
-  static constexpr int64_t kValues = 32, kBytes = 34, kScales = 1;
-  static inline void scales(const uint8_t* row, int64_t groups, int64_t g0, int64_t count, float* scale, float*) {
-    f16_planar(row + groups * 32 + 2 * g0, count, scale);
-  }
-  static inline void group(const uint8_t* row, int64_t g, const float* scale, const float*, __m512& w0, __m512& w1) {
-    const uint8_t* q = row + g * 32;
-    const __m512 d = _mm512_set1_ps(scale[0]);
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), d);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), d);
-  }
-};
-
-// Q4_0: per block 16 bytes of nibbles (low: values 0..15, high: 16..31) and f16 d; value d * (q - 8), a
-// product as theirs is (so a zero keeps d's sign).
-struct Q4_0 {
-  static constexpr int64_t kValues = 32, kBytes = 18, kScales = 1;
-  static inline void scales(const uint8_t* row, int64_t groups, int64_t g0, int64_t count, float* scale, float*) {
-    f16_planar(row + groups * 16 + 2 * g0, count, scale);
-  }
-  static inline void group(const uint8_t* row, int64_t g, const float* scale, const float*, __m512& w0, __m512& w1) {
-    const __m512 table = _mm512_mul_ps(_mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)), _mm512_set1_ps(scale[0]));
-    const __m512i v = bytes16(row + g * 16);
-    w0 = _mm512_permutexvar_ps(v, table);
-    w1 = _mm512_permutexvar_ps(shifted(v, 4), table);
-  }
-};
-
-// Q4_1: per block 16 bytes of nibbles, f16 d and f16 m; value d * q + m.
-struct Q4_1 {
-  static constexpr int64_t kValues = 32, kBytes = 20, kScales = 1;
-  static inline void scales(const uint8_t* row, int64_t groups, int64_t g0, int64_t count, float* scale, float* offset) {
-    f16_planar(row + groups * 16 + 2 * g0, count, scale);
-    f16_planar(row + groups * 18 + 2 * g0, count, offset);
-  }
-  static inline void group(const uint8_t* row, int64_t g, const float* scale, const float* offset, __m512& w0, __m512& w1) {
-    const __m512 table = _mm512_fmadd_ps(iota16(), _mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
-    const __m512i v = bytes16(row + g * 16);
-    w0 = _mm512_permutexvar_ps(v, table);
-    w1 = _mm512_permutexvar_ps(shifted(v, 4), table);
-  }
-};
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block (llama.cpp's get_scale_min_k4, unpacked 32 bits
 // at a time as its utmp does), as (d * sc, -(dmin * m)) for its 8 groups.

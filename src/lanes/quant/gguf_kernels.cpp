@@ -1,4 +1,5 @@
-// Matmuls over GGUF block formats read in place (AVX-512), registered as torch ops `lanes_quant::*`.
+// Matmuls over the K-quant GGUF formats read in place (AVX-512), fp32 activations, registered as torch ops
+// `lanes_quant::*` (the 32-value formats multiply in integers: int8_kernels.cpp).
 //
 // Values are decoded (gguf_formats.h) exactly as the gguf package dequantizes them, so a result differs
 // from x @ dequantize(w).T only by the order of fp32 additions. Rows of a weight are its output features;
@@ -148,14 +149,11 @@ void decode_range(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t first,
 }
 
 // ggml's type numbers.
-enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Kind : int64_t { kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };  // Q8_0, Q4_0, Q4_1: int8_kernels.cpp
 
 template <class F>
 void dispatch(int64_t kind, F&& f) {
   switch (kind) {
-    case kQ8_0: f(Q8_0{}); break;
-    case kQ4_0: f(Q4_0{}); break;
-    case kQ4_1: f(Q4_1{}); break;
     case kQ4_K: f(Q4_K{}); break;
     case kQ5_K: f(Q5_K{}); break;
     case kQ6_K: f(Q6_K{}); break;

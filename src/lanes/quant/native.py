@@ -1,5 +1,6 @@
-"""The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; cpu_attention.cpp: paged attention;
-cpu_activation.cpp: the gated MLP's silu; cpu_norm.cpp: RMSNorm): compiled on first use with the machine's C++ compiler, cached under
+"""The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; int8_kernels.cpp: the 32-value formats'
+products in integers; cpu_attention.cpp: paged attention; cpu_activation.cpp: the gated MLP's silu;
+cpu_norm.cpp: RMSNorm; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
 `$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
 torch.compile can trace through them)."""
 
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "cpu_attention.cpp", "cpu_activation.cpp",
-                                                 "cpu_norm.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "cpu_math.h", "cpu_pool.h")]
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "int8_kernels.cpp", "cpu_attention.cpp",
+                                                 "cpu_activation.cpp", "cpu_norm.cpp")]
+HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h")]
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 
 
 class KernelsUnavailable(RuntimeError):
@@ -44,6 +45,8 @@ def _load():
 def _build():
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         raise KernelsUnavailable(f"this CPU has no AVX-512 (torch sees {torch.backends.cpu.get_cpu_capability()})")
+    if not torch.cpu._is_vnni_supported():
+        raise KernelsUnavailable("this CPU has AVX-512 but not its VNNI integer dot products")
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise KernelsUnavailable(f"no C++ compiler ({compiler}) to build them with")
@@ -91,6 +94,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::mm_panels")
     def _(x, w, kind, n, k, panel):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::mm_int8")
+    def _(x, w, kind, n, k):
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::take_int8")
+    def _(w, ids, kind, n, k):
+        return w.new_empty((ids.shape[0], k), dtype=torch.float32)
 
     @torch.library.register_fake("lanes_quant::paged_attention")
     def _(q, cache_k, cache_v, key_slots, row_first, row_len, scale):

@@ -1,7 +1,7 @@
 """Weights a model part multiplies by: `matmul(x)` for x [T, in] -> [T, out] in x's dtype.
 
 `QuantWeight` keeps a GGUF block format's bytes at their size ([out, row bytes] uint8; Q8_0, Q4_0 and Q4_1
-rows reordered planar, layout.py) and runs the C++ kernels over them; `DenseWeight` is a plain tensor (F32/F16/BF16 files, Hugging Face folders, or
+rows reordered for the integer kernels, int8_layout.py) and runs the C++ kernels over them; `DenseWeight` is a plain tensor (F32/F16/BF16 files, Hugging Face folders, or
 a type without a kernel, dequantized); `StackedWeight` is fused rows of weights of different types.
 """
 
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .formats import BlockFormat
-from .layout import to_file, to_kernel
+from .int8_layout import from_lanes, to_lanes
 from .native import kernels
 
+INTEGER = {"Q8_0", "Q4_0", "Q4_1"}  # multiplied in integers, activations quantized to 8 bits a group of 32
 PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
 
@@ -40,21 +41,26 @@ class Weight(Protocol):
 
 class QuantWeight:
     """An [out, in] weight in a GGUF block format, built from the file's bytes [out, row bytes] uint8 and
-    kept at their size: `packed` holds them in the kernels' layout (layout.py; most formats as they are)."""
+    kept at their size: `packed` holds them in the kernels' layout (int8_layout.py; the K-quants as they are).
+
+    Q8_0, Q4_0 and Q4_1 multiply in integers, each group of 32 activations quantized to 8 bits as llama.cpp
+    does for these types (docs/DECISIONS.md, "Integer products"); the K-quants multiply fp32 activations by
+    their values decoded in registers."""
 
     def __init__(self, raw: torch.Tensor, fmt: BlockFormat, shape: tuple[int, int], *, packed: bool = False) -> None:
         out_features, in_features = shape
         if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, fmt.row_bytes(in_features)):
             raise ValueError(f"{fmt.name} [{out_features}, {in_features}] needs uint8 "
                              f"[{out_features}, {fmt.row_bytes(in_features)}], not {raw.dtype} {list(raw.shape)}")
-        self.packed = raw.contiguous() if packed else to_kernel(raw, fmt)  # [out, row bytes] uint8
+        self.integer = fmt.name in INTEGER
+        self.packed = raw.contiguous() if packed or not self.integer else to_lanes(raw, fmt)  # [out, row bytes] uint8
         self.format = fmt
         self.shape = (out_features, in_features)
         self._ops = kernels()
 
     def file_bytes(self) -> torch.Tensor:
         """[out, row bytes] uint8 in the file's layout (for checks and for writing GGUF files)."""
-        return to_file(self.packed, self.format)
+        return from_lanes(self.packed, self.format) if self.integer else self.packed
 
     @property
     def type_name(self) -> str:
@@ -68,7 +74,9 @@ class QuantWeight:
         """x [T, in] (any float dtype) @ W.T -> [T, out] in x's dtype, accumulated in fp32."""
         x32 = x if x.dtype == torch.float32 else x.float()
         n, k = self.shape
-        if x32.shape[0] < PANEL_ROWS:
+        if self.integer:
+            out = self._ops.mm_int8(x32, self.packed, self.format.kind, n, k)
+        elif x32.shape[0] < PANEL_ROWS:
             out = self._ops.mm_tiles(x32, self.packed, self.format.kind, n, k)
         else:
             out = self._ops.mm_panels(x32, self.packed, self.format.kind, n, k, PANEL)
@@ -76,7 +84,8 @@ class QuantWeight:
 
     def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [R] int64 dequantized: [R, in] in `dtype` (an embedding lookup)."""
-        rows = self._ops.take_rows(self.packed, ids.to(torch.int64), self.format.kind, *self.shape)
+        take = self._ops.take_int8 if self.integer else self._ops.take_rows
+        rows = take(self.packed, ids.to(torch.int64), self.format.kind, *self.shape)
         return rows if dtype == torch.float32 else rows.to(dtype)
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
@@ -147,9 +156,9 @@ def pad_rows(weight: Weight, rows: int) -> Weight:
     missing = rows - weight.shape[0]
     if missing <= 0:
         return weight
-    if isinstance(weight, QuantWeight):
+    if isinstance(weight, QuantWeight):  # zero bytes in the file's layout, which are zero values
         zeros = torch.zeros(missing, weight.packed.shape[1], dtype=torch.uint8, device=weight.packed.device)
-        return stack_rows([weight, QuantWeight(zeros, weight.format, (missing, weight.shape[1]), packed=True)])
+        return stack_rows([weight, QuantWeight(zeros, weight.format, (missing, weight.shape[1]))])
     if isinstance(weight, DenseWeight):
         return stack_rows([weight, DenseWeight(weight.tensor.new_zeros(missing, weight.shape[1]), weight.source)])
     raise TypeError(f"cannot pad a {type(weight).__name__}")
