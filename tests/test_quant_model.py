@@ -20,7 +20,7 @@ import torch
 import scenario
 import tiny
 import tiny_gguf
-from int8_reference import activations_in_8_bits, near_ties
+from int8_reference import assert_same_in_8_bits
 from lanes.core.blocks import BlockPool
 from lanes.families.weights import Shard
 from lanes.gpu.collective import ThreadGroup
@@ -31,27 +31,6 @@ from lanes.quant import unavailable_reason
 Q = gguf.GGMLQuantizationType
 pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the kernels need AVX-512")
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}  # the gguf package cannot quantize these: random blocks with small scales
-
-
-def assert_same_in_8_bits(ours, reference, prompt_ids, atol: float = 1e-4, after_a_tie: float = 0.1) -> None:
-    """`ours` against transformers with each linear's input rounded to 8 bits as the integer kernels round
-    it: every row within `atol` up to a position where the reference's rounding is a near tie
-    (int8_reference.near_ties), which our fp32 inputs may round the other way by one step; from there on
-    within `after_a_tie` (one value of a group moved by its scale); the greedy tokens all equal."""
-    with activations_in_8_bits(reference):
-        theirs = scenario.reference(reference, prompt_ids, ours[2], steps=8)
-    tight = 0
-    for ids, mine, ref in zip(prompt_ids, ours[0], theirs[0]):
-        tie = near_ties(reference, ids)
-        torch.testing.assert_close(mine[:tie], ref[:tie], rtol=0, atol=atol)
-        torch.testing.assert_close(mine, ref, rtol=0, atol=after_a_tie)
-        tight += len(mine[:tie])
-    for step, (mine, ref) in enumerate(zip(ours[1], theirs[1])):
-        for i, (ids, sequence) in enumerate(zip(prompt_ids, ours[2])):
-            tie = near_ties(reference, sequence[: len(ids) + step + 1])
-            torch.testing.assert_close(mine[i], ref[i], rtol=0, atol=atol if tie is None else after_a_tie)
-    assert ours[2] == theirs[2]
-    assert tight > 0
 
 
 @pytest.fixture(autouse=True)
