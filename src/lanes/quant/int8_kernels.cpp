@@ -122,30 +122,45 @@ void prepare_x(const float* x, int64_t T, int64_t K, int64_t kind, const Chunks&
   }
 }
 
-// One chunk (GC groups) of NR weight rows by TR x rows into their accumulators.
+// One chunk (GC groups) of NR weight rows by TR x rows into their accumulators, two weight rows at a time:
+// both rows' instructions stay in registers, so each x vector is loaded once for the two.
 template <int64_t Kind, int GC, int NR, int TR>
 inline void chunk_tile(const uint8_t* const (&rows)[NR], const Chunks& chunks, int64_t ci, const uint8_t* const (&x)[TR],
                        __m512 (&acc)[NR][TR]) {
+  static_assert(NR % 2 == 0, "weight rows go in pairs");
   const Chunk& c = chunks.at[ci];
-  for (int r = 0; r < NR; ++r) {
-    __m512i instr[8];
-    load_instructions<GC, Kind != kQ8_0>(rows[r] + c.quant_offset, instr);
-    const __m512 scale = lane_values<GC>(rows[r] + chunks.scale_offset + 2 * c.first, c);
-    __m512 offset = _mm512_setzero_ps();
-    if constexpr (Kind == kQ4_1) offset = lane_values<GC>(rows[r] + chunks.min_offset + 2 * c.first, c);
+  for (int r = 0; r < NR; r += 2) {
+    __m512i first[8], second[8];
+    load_instructions<GC, Kind != kQ8_0>(rows[r] + c.quant_offset, first);
+    load_instructions<GC, Kind != kQ8_0>(rows[r + 1] + c.quant_offset, second);
+    const __m512 scale0 = lane_values<GC>(rows[r] + chunks.scale_offset + 2 * c.first, c);
+    const __m512 scale1 = lane_values<GC>(rows[r + 1] + chunks.scale_offset + 2 * c.first, c);
+    __m512 offset0 = _mm512_setzero_ps(), offset1 = _mm512_setzero_ps();
+    if constexpr (Kind == kQ4_1) {
+      offset0 = lane_values<GC>(rows[r] + chunks.min_offset + 2 * c.first, c);
+      offset1 = lane_values<GC>(rows[r + 1] + chunks.min_offset + 2 * c.first, c);
+    }
     for (int t = 0; t < TR; ++t) {
-      __m512i even = _mm512_dpbusd_epi32(_mm512_setzero_si512(), instr[0], _mm512_loadu_si512(x[t]));
-      __m512i odd = _mm512_setzero_si512();  // two chains, so a row waits on half the latency
-      for (int s = 1; s < instructions(GC); ++s) {
+      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+      for (int s = 0; s < instructions(GC); ++s) {
         const __m512i xv = _mm512_loadu_si512(x[t] + 64 * s);
-        if (s & 1) odd = _mm512_dpbusd_epi32(odd, instr[s], xv);
-        else even = _mm512_dpbusd_epi32(even, instr[s], xv);
+        dot0 = _mm512_dpbusd_epi32(dot0, first[s], xv);
+        dot1 = _mm512_dpbusd_epi32(dot1, second[s], xv);
       }
       const uint8_t* lanes = x[t] + 8 * 64;
-      __m512i dot = _mm512_add_epi32(even, odd);
-      if constexpr (Kind != kQ4_1) dot = _mm512_sub_epi32(dot, _mm512_loadu_si512(lanes + 128));
-      acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_loadu_ps(lanes)), acc[r][t]);
-      if constexpr (Kind == kQ4_1) acc[r][t] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(lanes + 64), acc[r][t]);
+      if constexpr (Kind != kQ4_1) {
+        const __m512i fix = _mm512_loadu_si512(lanes + 128);
+        dot0 = _mm512_sub_epi32(dot0, fix);
+        dot1 = _mm512_sub_epi32(dot1, fix);
+      }
+      const __m512 xscale = _mm512_loadu_ps(lanes);
+      acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(scale0, xscale), acc[r][t]);
+      acc[r + 1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(scale1, xscale), acc[r + 1][t]);
+      if constexpr (Kind == kQ4_1) {
+        const __m512 xsum = _mm512_loadu_ps(lanes + 64);
+        acc[r][t] = _mm512_fmadd_ps(offset0, xsum, acc[r][t]);
+        acc[r + 1][t] = _mm512_fmadd_ps(offset1, xsum, acc[r + 1][t]);
+      }
     }
   }
 }
@@ -184,7 +199,7 @@ inline void prefetch_rows(const uint8_t* w, int64_t row_bytes, int64_t first, in
 
 constexpr int64_t kAheadRows = 64;  // weight rows fetched toward the cache ahead of their tile
 constexpr int kOneRowTile = 8;      // one x row: eight weight rows, eight independent accumulator chains
-constexpr int kFewRows = 4;         // more x rows: four weight rows by up to kMostX x rows (bench/quant_kernels.py)
+constexpr int kFewRows = 2;         // more x rows: two weight rows by up to kMostX x rows (measured: 2-4 alike)
 constexpr int kMostX = 8;
 
 template <int64_t Kind>
