@@ -159,7 +159,7 @@ def main() -> None:
                                                             args.draft_tokens))
             rows.append((name, n, {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in results.items()}))
     kinds = ", ".join(sorted(model.weights_census().tensors))
-    print(f"\ndrafts on the CPU ({args.model}: {kinds}; fp32 activations), greedy, {args.new} new tokens a request, "
+    print(f"\ndrafts on the CPU ({args.model}: {kinds}; Q8_0/Q4_0/Q4_1 products on 8-bit activations), greedy, {args.new} new tokens a request, "
           f"at most {args.draft_tokens} draft tokens a lane, median of {args.runs}")
     head = f"{'workload':>15} {'streams':>7} {'off tok/s':>9}"
     for method in methods:
