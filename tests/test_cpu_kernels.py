@@ -1,6 +1,7 @@
 """The CPU path's own kernels besides the products: paged attention (lanes/quant/cpu_attention.cpp) against
 torch's SDPA in float64, the MLP's silu (cpu_activation.cpp) against torch's, RMSNorm (cpu_norm.cpp) against
-the decoders' formula in float64, and RoPE's cos and sin; and
+the decoders' formula in float64, RoPE's cos and sin, and its rotation (cpu_rope.cpp) against the Hugging
+Face formula bit for bit; and
 their batch invariance: a row's output is the same, bit for bit, whichever rows share its pass (alone, as
 one of a drafted lane's 1 + k rows, beside other lanes long or short, beside a prompt being prefilled).
 
@@ -132,3 +133,17 @@ def test_a_positions_cos_and_sin_are_the_same_in_any_pass(rotary_dim):
     for i in (0, 7, 2999):
         one, other = cos_sin(inv_freq, 1.0, positions[i : i + 1], torch.float32)
         assert torch.equal(one[0], cos[i]) and torch.equal(other[0], sin[i])
+
+
+@pytest.mark.parametrize("dim", [32, 64, 80, 128])  # 80: a half of 40, a vector and a masked tail
+def test_rope_equals_the_hugging_face_formula_bit_for_bit_on_rows_of_any_stride(dim):
+    generator = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(9, 7 * dim, generator=generator) * 3
+    x = qkv[:, : 5 * dim].reshape(9, 5, dim)  # q and k heads of a fused projection: rows 7 heads apart
+    cos, sin = cos_sin(10000.0 ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0, torch.arange(9) * 37, torch.float32)
+    half = dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    expected = x * cos[:, None, :] + rotated * sin[:, None, :]  # transformers' apply_rotary_pos_emb
+    got = torch.ops.lanes_quant.rope(x, cos, sin)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.ops.lanes_quant.rope(x[4:5], cos[4:5], sin[4:5]), got[4:5])

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..quant.native import available
 from .config import ModelConfig
 
 
@@ -101,6 +102,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if cos.shape[-1] < x.shape[-1]:
         rotary = cos.shape[-1]
         return torch.cat((apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    if (x.device.type == "cpu" and x.dtype == cos.dtype == sin.dtype == torch.float32 and x.dim() == 3
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and available()):
+        return torch.ops.lanes_quant.rope(x, cos, sin)  # the same values in one op (lanes/quant/cpu_rope.cpp)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,6 +1,6 @@
 """The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; int8_kernels.cpp: the 32-value formats'
 products in integers; cpu_attention.cpp: paged attention; cpu_activation.cpp: the gated MLP's silu;
-cpu_norm.cpp: RMSNorm; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
+cpu_norm.cpp: RMSNorm; cpu_rope.cpp: rotary embeddings; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
 `$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
 torch.compile can trace through them)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "int8_kernels.cpp", "cpu_attention.cpp",
-                                                 "cpu_activation.cpp", "cpu_norm.cpp")]
+                                                 "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 
@@ -110,6 +110,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::silu_mul")
     def _(gate_up):
         return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+    @torch.library.register_fake("lanes_quant::rope")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("lanes_quant::rms_norm")
     def _(x, weight, eps):
