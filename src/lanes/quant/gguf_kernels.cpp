@@ -12,6 +12,7 @@
 
 #include "gguf_formats.h"
 #include "cpu_pool.h"
+#include "cpu_rows.h"
 
 namespace {
 
@@ -246,12 +247,7 @@ at::Tensor mm_panels_op(const at::Tensor& x, const at::Tensor& w, int64_t kind, 
 // Rows `ids` [R] int64 of w, dequantized: [R, k] fp32 (an embedding lookup, or the whole tensor for checks).
 at::Tensor take_rows_op(const at::Tensor& w, const at::Tensor& ids, int64_t kind, int64_t n, int64_t k) {
   check_weight(w, kind, n, k);
-  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "lanes_quant: ids must be int64 [R]");
-  const at::Tensor idc = ids.contiguous();
-  if (idc.numel() > 0) {
-    const auto [lo, hi] = at::aminmax(idc);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < n, "lanes_quant: a row id is out of range");
-  }
+  const at::Tensor idc = checked_row_ids(ids, n);
   at::Tensor out = at::empty({idc.size(0), k}, w.options().dtype(at::kFloat));
   dispatch(kind, [&](auto q) {
     decode_rows<decltype(q)>(w.data_ptr<uint8_t>(), w.size(1), k, idc.data_ptr<int64_t>(), idc.size(0), out.data_ptr<float>());

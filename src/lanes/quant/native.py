@@ -16,7 +16,8 @@ import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "int8_kernels.cpp", "cpu_attention.cpp",
                                                  "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp")]
-HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h",
+                                                 "cpu_rows.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 
 
