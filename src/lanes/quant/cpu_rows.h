@@ -1,7 +1,11 @@
-// Checks the CPU kernels share.
+// What the CPU kernels share about weight rows: checking row ids, fetching rows ahead.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
 
 namespace lanes_quant {
 
@@ -14,6 +18,15 @@ inline at::Tensor checked_row_ids(const at::Tensor& ids, int64_t n) {
     TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < n, "lanes_quant: a row id is out of range");
   }
   return idc;
+}
+
+// Weight rows [first, first + count) fetched toward the cache ahead of their tile: a row of a few hundred
+// bytes is too short a stream for the hardware prefetcher, so without this a decode step waits on memory.
+inline void prefetch_rows(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t count, int64_t N) {
+  if (first >= N) return;
+  const uint8_t* begin = w + first * row_bytes;
+  const uint8_t* end = w + std::min(first + count, N) * row_bytes;
+  for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 
 }  // namespace lanes_quant

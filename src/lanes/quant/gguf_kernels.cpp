@@ -73,15 +73,6 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, int
   store_tile<TR, NR>(acc, n0, N, out + t0 * N, N);
 }
 
-// Weight rows [first, first + count) fetched toward the cache ahead of their tile: a row of a few hundred
-// bytes is too short a stream for the hardware prefetcher, so without this a decode step waits on memory.
-inline void prefetch_rows(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t count, int64_t N) {
-  if (first >= N) return;
-  const uint8_t* begin = w + first * row_bytes;
-  const uint8_t* end = w + std::min(first + count, N) * row_bytes;
-  for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-
 constexpr int64_t kAheadRows = 64;  // how far ahead of the tile being computed its weight rows are fetched
 
 template <class Q>

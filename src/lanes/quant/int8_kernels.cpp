@@ -191,13 +191,6 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, con
       if (n0 + r < N) out[(t0 + t) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-inline void prefetch_rows(const uint8_t* w, int64_t row_bytes, int64_t first, int64_t count, int64_t N) {
-  if (first >= N) return;
-  const uint8_t* begin = w + first * row_bytes;
-  const uint8_t* end = w + std::min(first + count, N) * row_bytes;
-  for (const uint8_t* p = begin; p < end; p += 64) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-
 constexpr int64_t kAheadRows = 64;  // weight rows fetched toward the cache ahead of their tile
 constexpr int kOneRowTile = 8;      // one x row: eight weight rows, eight independent accumulator chains
 constexpr int kFewRows = 2;         // more x rows: two weight rows by up to kMostX x rows (measured: 2-4 alike)
