@@ -1,7 +1,7 @@
 """The CPU path's own kernels besides the products: paged attention (lanes/quant/cpu_attention.cpp) against
 torch's SDPA in float64, the MLP's silu (cpu_activation.cpp) against torch's, RMSNorm (cpu_norm.cpp) against
 the decoders' formula in float64, RoPE's cos and sin, and its rotation (cpu_rope.cpp) against the Hugging
-Face formula bit for bit; and
+Face formula bit for bit, log-softmax and the greedy draw (cpu_softmax.cpp) against torch's; and
 their batch invariance: a row's output is the same, bit for bit, whichever rows share its pass (alone, as
 one of a drafted lane's 1 + k rows, beside other lanes long or short, beside a prompt being prefilled).
 
@@ -147,3 +147,33 @@ def test_rope_equals_the_hugging_face_formula_bit_for_bit_on_rows_of_any_stride(
     got = torch.ops.lanes_quant.rope(x, cos, sin)
     assert torch.equal(got, expected)
     assert torch.equal(torch.ops.lanes_quant.rope(x[4:5], cos[4:5], sin[4:5]), got[4:5])
+
+
+@pytest.mark.parametrize("vocab", [5, 16, 100, 49152])
+def test_log_softmax_and_greedy_equal_torchs_and_share_their_bits(vocab):
+    """Our log_softmax (cpu_softmax.cpp) against torch's in float64; the greedy op's argmax is torch's
+    argmax (ties to the first position, a NaN wins, a row of -inf gives 0) and its logprob is the
+    log_softmax value bit for bit; a row's values are the same alone or among others."""
+    from lanes.backend.draws import log_softmax
+    from lanes.gpu.graphs import greedy_draw
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(9, vocab, generator=g) * torch.logspace(-2, 2, 9).unsqueeze(1)
+    logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2] = float("-inf")
+    logits[3, vocab - 1] = float("nan")
+    logits[4, :] = 3.0
+    got = log_softmax(logits)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    finite = [0, 1, 4, 5, 6, 7, 8]
+    torch.testing.assert_close(got[finite].double(), expected[finite], rtol=1e-6, atol=2e-6)
+    assert got[2].isnan().all() and got[3].isnan().all()
+    drawn = greedy_draw(logits)
+    assert drawn[0].tolist() == logits.argmax(dim=-1).double().tolist()
+    assert drawn[0, 1].item() == vocab // 2 and drawn[0, 2].item() == 0 and drawn[0, 3].item() == vocab - 1
+    tokens = drawn[0].long()
+    chosen = got.gather(1, tokens[:, None]).squeeze(1).double()
+    assert torch.equal(drawn[1][finite], chosen[finite])
+    for rows in (slice(0, 1), slice(5, 6), slice(4, 9)):
+        assert torch.equal(log_softmax(logits[rows]), got[rows])
+        assert torch.equal(greedy_draw(logits[rows]), drawn[:, rows])

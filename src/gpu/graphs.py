@@ -23,6 +23,7 @@ import torch
 from ..core.passes import Piece
 from .transfer import PinnedRing
 from ..progress import Progress
+from ..quant.native import available
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)  # decode passes: one row a lane
 ROW_BUCKETS = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 2560)  # passes that carry prompt rows
@@ -36,6 +37,8 @@ def greedy_draw(logits: torch.Tensor) -> torch.Tensor:
     """logits: [R, V] any float dtype -> [2, R] float64: each row's argmax and its logprob, computed with
     the same ops as `lanes.backend.draws.sample` (so bit for bit the same), packed for one read-back (ids are exact in float64)."""
     raw = logits.float()  # [R, V] float32
+    if raw.device.type == "cpu" and available():  # one op: argmax and log_softmax's value, as draws.log_softmax's
+        return torch.ops.lanes_quant.greedy(raw)
     tokens = raw.argmax(dim=-1)  # [R] int64
     chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [R] float32
     return torch.stack([tokens.double(), chosen.double()])

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..core.grammar import Masks
 from ..core.sampling import RowSampling, SamplingParams
+from ..quant.native import available
 from .penalties import PenaltyState, penalise
 
 NEG_INF = float("-inf")
@@ -150,11 +151,19 @@ def sample(logits: Tensor, rows: Sequence[RowSampling], penalties: PenaltyState 
         index = torch.tensor(drawn, dtype=torch.int64, device=raw.device)  # [S]
         keys = torch.tensor([stream_key(rows[i]) for i in drawn], dtype=torch.int64, device=raw.device)  # [S]
         tokens = tokens.index_copy(0, index, race(scores.index_select(0, index), keys))
-    logprobs = torch.log_softmax(raw, dim=-1)  # [R, V] float32
+    logprobs = log_softmax(raw)  # [R, V] float32
     k = max((row.params.top_logprobs for row in rows), default=0)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return Sampled(tokens=tokens, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def log_softmax(raw: Tensor) -> Tensor:
+    """[R, V] float32 -> its log_softmax over V: on the CPU our kernel (lanes/quant/cpu_softmax.cpp), whose
+    values `lanes.gpu.graphs.greedy_draw` shares bit for bit; elsewhere torch's."""
+    if raw.device.type == "cpu" and available():
+        return torch.ops.lanes_quant.log_softmax(raw)
+    return torch.log_softmax(raw, dim=-1)
 
 
 def stream_key(row: RowSampling) -> int:
@@ -212,6 +221,6 @@ def prompt_logprobs(logits: Tensor, targets: Tensor, top: int) -> tuple[Tensor, 
     logits: [N, V] any float dtype, row i predicting targets[i]; targets: [N] int64 ->
     (logprobs [N] float32, top ids [N, top] int64, top logprobs [N, top] float32).
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V] float32
+    logprobs = log_softmax(logits.float())  # [N, V] float32
     values, ids = logprobs.topk(top, dim=-1)
     return logprobs.gather(1, targets[:, None]).squeeze(1), ids, values

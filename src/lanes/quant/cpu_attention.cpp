@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -38,6 +39,19 @@ inline __m512 sums16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
+// Keys and values [j0, j0 + 16) of a row, for one KV head, fetched into L2 a block ahead of the scores
+// that read them (and the value sums after): the slots hop over other heads' bytes, past the prefetcher.
+inline void prefetch_keys(const float* ck, const float* cv, const int64_t* slots, int64_t j0, int64_t len,
+                          int64_t kv_heads, int64_t kv_head, int64_t d) {
+  for (int64_t j = j0; j < std::min(j0 + 16, len); ++j) {
+    const int64_t at = (slots[j] * kv_heads + kv_head) * d;
+    for (int64_t i = 0; i < d; i += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(ck + at + i), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(cv + at + i), _MM_HINT_T1);
+    }
+  }
+}
+
 // One query row and one KV head: `group` query heads (GQA) over the row's `len` keys at `slots`; NV
 // vectors of 16 cover a head of d dimensions. Key j's score is one fma chain over d and sums16's lane
 // j % 16, its softmax weight is summed in lane j % 16, its value added in order j: all fixed by j alone.
@@ -50,12 +64,14 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
   __mmask16 dims[NV];
   for (int v = 0; v < NV; ++v) dims[v] = head_mask(d, v * 16);
   const __m512 scale16 = _mm512_set1_ps(scale);
+  prefetch_keys(ck, cv, slots, 0, len, kv_heads, kv_head, d);
   for (int64_t h = 0; h < group; ++h) {
     float* ph = p.data() + h * padded;
     __m512 qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = _mm512_maskz_loadu_ps(dims[v], q + h * d + v * 16);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      if (h == 0) prefetch_keys(ck, cv, slots, j0 + 16, len, kv_heads, kv_head, d);
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) {  // past the last key, the last key again (its weight masked to 0 below)
         const float* kj = ck + (slots[std::min(j0 + i, len - 1)] * kv_heads + kv_head) * d;

@@ -11,10 +11,12 @@
 #include <ATen/ATen.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_formats.h"
 #include "int8_chunks.h"
+#include "cpu_math.h"
 #include "cpu_pool.h"
 #include "cpu_rows.h"
 
@@ -123,46 +125,69 @@ void prepare_x(const float* x, int64_t T, int64_t K, int64_t kind, const Chunks&
   }
 }
 
-// One chunk (GC groups) of NR weight rows by TR x rows into their accumulators, two weight rows at a time:
-// both rows' instructions stay in registers, so each x vector is loaded once for the two.
+// One chunk (GC groups) of two weight rows, unpacked once and kept in registers while x rows go past: each x
+// vector is loaded once for the two rows, and every (weight row, x row) pair runs the same instructions.
+template <int64_t Kind, int GC>
+struct Pair {
+  __m512i first[8], second[8];
+  __m512 scale0, scale1, offset0 = _mm512_setzero_ps(), offset1 = _mm512_setzero_ps();
+
+  Pair(const uint8_t* row0, const uint8_t* row1, const Chunks& chunks, const Chunk& c) {
+    load_instructions<GC, Kind != kQ8_0>(row0 + c.quant_offset, first);
+    load_instructions<GC, Kind != kQ8_0>(row1 + c.quant_offset, second);
+    scale0 = lane_values<GC>(row0 + chunks.scale_offset + 2 * c.first, c);
+    scale1 = lane_values<GC>(row1 + chunks.scale_offset + 2 * c.first, c);
+    if constexpr (Kind == kQ4_1) {
+      offset0 = lane_values<GC>(row0 + chunks.min_offset + 2 * c.first, c);
+      offset1 = lane_values<GC>(row1 + chunks.min_offset + 2 * c.first, c);
+    }
+  }
+
+  // The chunk of one x row (its prepared bytes at `x`) into the two rows' accumulators.
+  inline void add(const uint8_t* x, __m512& acc0, __m512& acc1) const {
+    __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
+    for (int s = 0; s < instructions(GC); ++s) {
+      const __m512i xv = _mm512_loadu_si512(x + 64 * s);
+      dot0 = _mm512_dpbusd_epi32(dot0, first[s], xv);
+      dot1 = _mm512_dpbusd_epi32(dot1, second[s], xv);
+    }
+    const uint8_t* lanes = x + 8 * 64;
+    if constexpr (Kind != kQ4_1) {
+      const __m512i fix = _mm512_loadu_si512(lanes + 128);
+      dot0 = _mm512_sub_epi32(dot0, fix);
+      dot1 = _mm512_sub_epi32(dot1, fix);
+    }
+    const __m512 xscale = _mm512_loadu_ps(lanes);
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(scale0, xscale), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(scale1, xscale), acc1);
+    if constexpr (Kind == kQ4_1) {
+      const __m512 xsum = _mm512_loadu_ps(lanes + 64);
+      acc0 = _mm512_fmadd_ps(offset0, xsum, acc0);
+      acc1 = _mm512_fmadd_ps(offset1, xsum, acc1);
+    }
+  }
+};
+
+// f(std::integral_constant<int, gc>) for a chunk of gc groups: the chunk's size as a template argument.
+template <class F>
+inline void by_size(int gc, F&& f) {
+  switch (gc) {
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+// One chunk (GC groups) of NR weight rows by TR x rows into their accumulators, two weight rows at a time.
 template <int64_t Kind, int GC, int NR, int TR>
 inline void chunk_tile(const uint8_t* const (&rows)[NR], const Chunks& chunks, int64_t ci, const uint8_t* const (&x)[TR],
                        __m512 (&acc)[NR][TR]) {
   static_assert(NR % 2 == 0, "weight rows go in pairs");
-  const Chunk& c = chunks.at[ci];
   for (int r = 0; r < NR; r += 2) {
-    __m512i first[8], second[8];
-    load_instructions<GC, Kind != kQ8_0>(rows[r] + c.quant_offset, first);
-    load_instructions<GC, Kind != kQ8_0>(rows[r + 1] + c.quant_offset, second);
-    const __m512 scale0 = lane_values<GC>(rows[r] + chunks.scale_offset + 2 * c.first, c);
-    const __m512 scale1 = lane_values<GC>(rows[r + 1] + chunks.scale_offset + 2 * c.first, c);
-    __m512 offset0 = _mm512_setzero_ps(), offset1 = _mm512_setzero_ps();
-    if constexpr (Kind == kQ4_1) {
-      offset0 = lane_values<GC>(rows[r] + chunks.min_offset + 2 * c.first, c);
-      offset1 = lane_values<GC>(rows[r + 1] + chunks.min_offset + 2 * c.first, c);
-    }
-    for (int t = 0; t < TR; ++t) {
-      __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
-      for (int s = 0; s < instructions(GC); ++s) {
-        const __m512i xv = _mm512_loadu_si512(x[t] + 64 * s);
-        dot0 = _mm512_dpbusd_epi32(dot0, first[s], xv);
-        dot1 = _mm512_dpbusd_epi32(dot1, second[s], xv);
-      }
-      const uint8_t* lanes = x[t] + 8 * 64;
-      if constexpr (Kind != kQ4_1) {
-        const __m512i fix = _mm512_loadu_si512(lanes + 128);
-        dot0 = _mm512_sub_epi32(dot0, fix);
-        dot1 = _mm512_sub_epi32(dot1, fix);
-      }
-      const __m512 xscale = _mm512_loadu_ps(lanes);
-      acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot0), _mm512_mul_ps(scale0, xscale), acc[r][t]);
-      acc[r + 1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_mul_ps(scale1, xscale), acc[r + 1][t]);
-      if constexpr (Kind == kQ4_1) {
-        const __m512 xsum = _mm512_loadu_ps(lanes + 64);
-        acc[r][t] = _mm512_fmadd_ps(offset0, xsum, acc[r][t]);
-        acc[r + 1][t] = _mm512_fmadd_ps(offset1, xsum, acc[r + 1][t]);
-      }
-    }
+    const Pair<Kind, GC> pair(rows[r], rows[r + 1], chunks, chunks.at[ci]);
+    for (int t = 0; t < TR; ++t) pair.add(x[t], acc[r][t], acc[r + 1][t]);
   }
 }
 
@@ -178,26 +203,71 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, con
   for (int64_t ci = 0; ci < chunks.count; ++ci) {
     const uint8_t* x[TR];
     for (int t = 0; t < TR; ++t) x[t] = xs.row(t0 + t) + ci * kChunkBytes;
-    switch (chunks.at[ci].groups) {
-      case 16: chunk_tile<Kind, 16, NR, TR>(rows, chunks, ci, x, acc); break;
-      case 8: chunk_tile<Kind, 8, NR, TR>(rows, chunks, ci, x, acc); break;
-      case 4: chunk_tile<Kind, 4, NR, TR>(rows, chunks, ci, x, acc); break;
-      case 2: chunk_tile<Kind, 2, NR, TR>(rows, chunks, ci, x, acc); break;
-      default: chunk_tile<Kind, 1, NR, TR>(rows, chunks, ci, x, acc); break;
-    }
+    by_size(chunks.at[ci].groups, [&](auto gc) { chunk_tile<Kind, decltype(gc)::value, NR, TR>(rows, chunks, ci, x, acc); });
   }
+  static_assert(NR * TR <= 16, "a tile's sums take one lane_sums");
+  __m512 all[16];
+  for (int i = 0; i < 16; ++i) all[i] = i < NR * TR ? acc[i / TR][i % TR] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, lane_sums(all));
   for (int t = 0; t < TR; ++t)
     for (int r = 0; r < NR; ++r)
-      if (n0 + r < N) out[(t0 + t) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][t]);
+      if (n0 + r < N) out[(t0 + t) * N + n0 + r] = sums[lane_of_sum(r * TR + t)];
 }
 
 constexpr int64_t kAheadRows = 64;  // weight rows fetched toward the cache ahead of their tile
 constexpr int kOneRowTile = 8;      // one x row: eight weight rows, eight independent accumulator chains
 constexpr int kFewRows = 2;         // more x rows: two weight rows by up to kMostX x rows (measured: 2-4 alike)
 constexpr int kMostX = 8;
+constexpr int64_t kPanel = 64;      // more: x rows a panel, whose prepared bytes (<= 135 KB at k = 1536) stay in L2
+
+// out[t0 .. t0+rows, n0 .. n0+2) for a pair of weight rows and a panel of x rows: each chunk of the pair is
+// unpacked once for the panel, and its x rows stream from L2 instead of every pair reading all of x.
+template <int64_t Kind>
+void pair_panel(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N, const Chunks& chunks, const XRows& xs,
+                int64_t t0, int64_t rows, float* out) {
+  const uint8_t* row0 = w + n0 * row_bytes;
+  const uint8_t* row1 = w + std::min(n0 + 1, N - 1) * row_bytes;
+  __m512 acc[kPanel][2];
+  for (int64_t t = 0; t < rows; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int64_t ci = 0; ci < chunks.count; ++ci) {
+    by_size(chunks.at[ci].groups, [&](auto gc) {
+      const Pair<Kind, decltype(gc)::value> pair(row0, row1, chunks, chunks.at[ci]);
+      for (int64_t t = 0; t < rows; ++t) pair.add(xs.row(t0 + t) + ci * kChunkBytes, acc[t][0], acc[t][1]);
+    });
+  }
+  for (int64_t g = 0; g < rows; g += 8) {  // eight x rows' sums (16 vectors) at a time
+    const int64_t count = std::min<int64_t>(16, 2 * (rows - g));
+    __m512 all[16];
+    for (int i = 0; i < 16; ++i) all[i] = i < count ? acc[g + i / 2][i % 2] : _mm512_setzero_ps();
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, lane_sums(all));
+    for (int i = 0; i < count; ++i)
+      if (n0 + i % 2 < N) out[(t0 + g + i / 2) * N + n0 + i % 2] = sums[lane_of_sum(i)];
+  }
+}
+
+// Many x rows: panels of x rows in turn, each thread's weight pairs streaming past each panel.
+template <int64_t Kind>
+void mm_panels(const uint8_t* w, int64_t row_bytes, int64_t N, const Chunks& chunks, const XRows& xs, int64_t T, float* out) {
+  const int64_t pairs = (N + 1) / 2, panels = (T + kPanel - 1) / kPanel;
+  parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(N, 2 * end);
+    for (int64_t p = 0, t0 = 0; p < panels; ++p) {
+      const int64_t rows = T / panels + (p < T % panels ? 1 : 0);  // sizes differing by at most one
+      prefetch_rows(w, row_bytes, 2 * begin, kAheadRows, last);
+      for (int64_t i = begin; i < end; ++i) {
+        prefetch_rows(w, row_bytes, 2 * i + kAheadRows, 2, last);
+        pair_panel<Kind>(w, row_bytes, 2 * i, N, chunks, xs, t0, rows, out);
+      }
+      t0 += rows;
+    }
+  });
+}
 
 template <int64_t Kind>
 void mm(const uint8_t* w, int64_t row_bytes, int64_t N, const Chunks& chunks, const XRows& xs, int64_t T, float* out) {
+  if (T > kMostX) return mm_panels<Kind>(w, row_bytes, N, chunks, xs, T, out);
   const int64_t nr = T == 1 ? kOneRowTile : kFewRows;
   const int64_t tiles = (N + nr - 1) / nr;
   const int64_t parts = (T + kMostX - 1) / kMostX;  // x tiles, sizes differing by at most one

@@ -1,6 +1,6 @@
 """The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; int8_kernels.cpp: the 32-value formats'
 products in integers; cpu_attention.cpp: paged attention; cpu_activation.cpp: the gated MLP's silu;
-cpu_norm.cpp: RMSNorm; cpu_rope.cpp: rotary embeddings; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
+cpu_norm.cpp: RMSNorm; cpu_rope.cpp: rotary embeddings; cpu_softmax.cpp: log-softmax and greedy draws; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
 `$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
 torch.compile can trace through them)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "int8_kernels.cpp", "cpu_attention.cpp",
-                                                 "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp")]
+                                                 "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp", "cpu_softmax.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h",
                                                  "cpu_rows.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
@@ -119,6 +119,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("lanes_quant::log_softmax")
+    def _(logits):
+        return torch.empty_like(logits)
+
+    @torch.library.register_fake("lanes_quant::greedy")
+    def _(logits):
+        return logits.new_empty((2, logits.shape[0]), dtype=torch.float64)
 
     @torch.library.register_fake("lanes_quant::take_rows")
     def _(w, ids, kind, n, k):
