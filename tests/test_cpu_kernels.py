@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lanes.families.activation import silu_mul
 from lanes.families.norm import rms_norm
-from lanes.families.rope import cos_sin
+from lanes.families.rope import apply_rotary, cos_sin
 from lanes.gpu.attention import PagedRows, RowSpan, paged_attention
 from lanes.quant.native import unavailable_reason
 
@@ -177,3 +177,28 @@ def test_log_softmax_and_greedy_equal_torchs_and_share_their_bits(vocab):
     for rows in (slice(0, 1), slice(5, 6), slice(4, 9)):
         assert torch.equal(log_softmax(logits[rows]), got[rows])
         assert torch.equal(greedy_draw(logits[rows]), drawn[:, rows])
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (6, 3, 80), (2, 1, 16)])
+def test_rope_attention_is_rope_the_kv_write_and_attention_bit_for_bit(heads, kv_heads, d):
+    """The fused attention part (rope_attention) against its parts run one by one: the rotated q and k,
+    index_copy_ of k and v into their slots, paged_attention; the caches and the output the same bits."""
+    from lanes.gpu.attention import rope_attention, write_kv
+
+    ck, cv = caches(64 * BS, kv_heads, d)
+    blocks = tables(3, 16)
+    spans = [RowSpan(0, 37, blocks[0]), RowSpan(99, 1, blocks[1]), RowSpan(240, 9, blocks[2])]
+    rows = PagedRows(spans, BS, torch.device("cpu"))
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(47, (heads + 2 * kv_heads) * d, generator=g)
+    positions = torch.cat([torch.arange(s.start, s.start + s.length) for s in spans])
+    cos, sin = cos_sin(10000.0 ** -(torch.arange(0, d, 2).float() / d), 1.0, positions, torch.float32)
+    fused_k, fused_v = ck.clone(), cv.clone()
+    got = rope_attention(qkv, cos, sin, fused_k, fused_v, rows, heads, d**-0.5)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = apply_rotary(q.reshape(47, heads, d), cos, sin)
+    k = apply_rotary(k.reshape(47, kv_heads, d), cos, sin)
+    write_kv(ck, cv, rows, k, v.reshape(47, kv_heads, d))
+    expected = paged_attention(q, ck, cv, rows, d**-0.5).reshape(47, heads * d)
+    assert torch.equal(fused_k, ck) and torch.equal(fused_v, cv)
+    assert torch.equal(got, expected)

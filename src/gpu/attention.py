@@ -112,6 +112,18 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, k: t
         exps.index_copy_(0, rows.slots, e)
 
 
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   rows: PagedRows, heads: int, scale: float) -> torch.Tensor | None:
+    """On the CPU in fp32, RoPE over whole heads, `write_kv` and `paged_attention` in one op (the same values):
+    qkv [T, (Hq + 2 Hkv) D] -> [T, Hq D]. None where that op does not apply (the caller takes the parts)."""
+    d = cache_k.shape[2]
+    if (qkv.device.type == "cpu" and qkv.dtype == cos.dtype == sin.dtype == cache_k.dtype == torch.float32
+            and cos.shape[-1] == d and qkv.dim() == 2 and qkv.stride(1) == 1 and available()):
+        return torch.ops.lanes_quant.rope_attention(qkv, cos, sin, cache_k, cache_v, rows.slots, rows.key_slots,
+                                                    rows.row_first, rows.row_len, heads, scale)
+    return None
+
+
 def paged_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: PagedRows, scale: float,
                     exponents: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each lane's new rows over its whole context. q: [T, Hq, D] -> [T, Hq, D]."""

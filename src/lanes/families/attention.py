@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..gpu.attention import PagedRows, paged_attention, write_kv
+from ..gpu.attention import PagedRows, paged_attention, rope_attention, write_kv
 from ..gpu.collective import Collective
 from ..gpu.kv import KVCache
 from .config import ModelConfig
@@ -95,6 +95,11 @@ class Attention:
         """h: [T, hidden] (normed); cos, sin: [T, rotary_dim] -> [T, hidden], summed across ranks. Writes
         the rows' K and V into their slots first."""
         qkv = self.qkv(h)
+        cache = kv.layer(self.index)
+        if self.q_norm is None and not cache.fp8:
+            out = rope_attention(qkv, cos, sin, cache.k, cache.v, paged, self.heads, self.scale)
+            if out is not None:
+                return self.o(out)
         if self.q_norm is None:  # q and k side by side in qkv's rows: rotated as one tensor of heads
             t, d = qkv.shape[0], self.head_dim
             qk, v = qkv.split([(self.heads + self.kv_heads) * d, self.kv_heads * d], dim=-1)
@@ -103,7 +108,6 @@ class Attention:
         else:
             q, k, v = self.heads_of(qkv)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache = kv.layer(self.index)
         exponents = (cache.k_exp, cache.v_exp) if cache.fp8 else None
         write_kv(cache.k, cache.v, paged, k, v, exponents)
         out = paged_attention(q, cache.k, cache.v, paged, self.scale, exponents)  # [T, hq, D]

@@ -28,8 +28,8 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
       const float* up = gate + width;
       for (int64_t i = 0; i < width; i += 16) {
         const __mmask16 m = lanes_from(width, i);
-        const __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
-        _mm512_mask_storeu_ps(op + t * width + i, m, _mm512_mul_ps(silu(g), u));
+        const __m512 g = load_lanes(m, gate + i), u = load_lanes(m, up + i);
+        store_lanes(op + t * width + i, m, _mm512_mul_ps(silu(g), u));
       }
     }
   });

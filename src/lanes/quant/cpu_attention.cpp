@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "cpu_math.h"
@@ -23,6 +24,10 @@ using lanes_quant::parallel_for;
 
 inline __mmask16 head_mask(int64_t d, int64_t i) {  // lanes of dimensions [i, i + 16) inside the head
   return static_cast<__mmask16>(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+}
+
+inline __m512 head_part(const float* at, int v, __mmask16 dims) {  // dimensions [16 v, 16 v + 16) of a head
+  return lanes_quant::load_lanes(dims, at + v * 16);
 }
 
 // Lane p of the result: the sum of a[p]'s 16 lanes, by a tree whose order depends on p alone.
@@ -68,15 +73,15 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
   for (int64_t h = 0; h < group; ++h) {
     float* ph = p.data() + h * padded;
     __m512 qv[NV];
-    for (int v = 0; v < NV; ++v) qv[v] = _mm512_maskz_loadu_ps(dims[v], q + h * d + v * 16);
+    for (int v = 0; v < NV; ++v) qv[v] = head_part(q + h * d, v, dims[v]);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       if (h == 0) prefetch_keys(ck, cv, slots, j0 + 16, len, kv_heads, kv_head, d);
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) {  // past the last key, the last key again (its weight masked to 0 below)
         const float* kj = ck + (slots[std::min(j0 + i, len - 1)] * kv_heads + kv_head) * d;
-        acc[i] = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(dims[0], kj));
-        for (int v = 1; v < NV; ++v) acc[i] = _mm512_fmadd_ps(qv[v], _mm512_maskz_loadu_ps(dims[v], kj + v * 16), acc[i]);
+        acc[i] = _mm512_mul_ps(qv[0], head_part(kj, 0, dims[0]));
+        for (int v = 1; v < NV; ++v) acc[i] = _mm512_fmadd_ps(qv[v], head_part(kj, v, dims[v]), acc[i]);
       }
       const __m512 scores = _mm512_mul_ps(sums16(acc), scale16);
       _mm512_storeu_ps(ph + j0, scores);
@@ -100,7 +105,7 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
     for (int64_t j = 0; j < len; ++j) {
       const float* vj = cv + (slots[j] * kv_heads + kv_head) * d;
       __m512 values[NV];
-      for (int v = 0; v < NV; ++v) values[v] = _mm512_maskz_loadu_ps(dims[v], vj + v * 16);
+      for (int v = 0; v < NV; ++v) values[v] = head_part(vj, v, dims[v]);
       for (int h = 0; h < kHeads; ++h) {
         if (h >= heads) break;
         const __m512 w = _mm512_set1_ps(p[(h0 + h) * padded + j]);
@@ -110,7 +115,7 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
     for (int h = 0; h < heads; ++h) {
       const __m512 inv = _mm512_set1_ps(1.0f / totals[h0 + h]);
       for (int v = 0; v < NV; ++v)
-        _mm512_mask_storeu_ps(out + (h0 + h) * d + v * 16, dims[v], _mm512_mul_ps(acc[h][v], inv));
+        lanes_quant::store_lanes(out + (h0 + h) * d + v * 16, dims[v], _mm512_mul_ps(acc[h][v], inv));
     }
   }
 }
@@ -129,20 +134,21 @@ void attend_rows(const float* qp, const float* kp, const float* vp, const int64_
   });
 }
 
-// q [T, Hq, D] fp32; cache_k, cache_v [S, Hkv, D] fp32; key_slots [N] int64 (each lane's context slots in
-// order, lanes one after another); row_first [T], row_len [T] int64: row t sees key_slots[first, first + len).
-at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                              const at::Tensor& key_slots, const at::Tensor& row_first, const at::Tensor& row_len,
-                              double scale) {
-  TORCH_CHECK(q.dtype() == at::kFloat && q.dim() == 3, "lanes_quant: q must be fp32 [T, Hq, D]");
+void check_caches(const at::Tensor& cache_k, const at::Tensor& cache_v) {
   TORCH_CHECK(cache_k.dtype() == at::kFloat && cache_k.dim() == 3 && cache_k.is_contiguous() &&
               cache_v.sizes() == cache_k.sizes() && cache_v.dtype() == at::kFloat && cache_v.is_contiguous(),
               "lanes_quant: the caches must be contiguous fp32 [S, Hkv, D]");
-  const int64_t t_rows = q.size(0), hq = q.size(1), d = q.size(2), hkv = cache_k.size(1);
-  TORCH_CHECK(cache_k.size(2) == d && hq % hkv == 0 && d <= 256, "lanes_quant: head shapes do not match");
+  TORCH_CHECK(cache_k.size(2) <= 256, "lanes_quant: a head of ", cache_k.size(2), " dimensions is past the kernel's 256");
+}
+
+// q [T, Hq, D] fp32 contiguous, the caches checked: every row attended into a new [T, Hq, D].
+at::Tensor attend_all(const at::Tensor& qc, const at::Tensor& cache_k, const at::Tensor& cache_v, const at::Tensor& key_slots,
+                      const at::Tensor& row_first, const at::Tensor& row_len, double scale) {
+  const int64_t t_rows = qc.size(0), hq = qc.size(1), d = qc.size(2), hkv = cache_k.size(1);
+  TORCH_CHECK(cache_k.size(2) == d && hq % hkv == 0, "lanes_quant: head shapes do not match");
   TORCH_CHECK(row_first.dtype() == at::kLong && row_len.dtype() == at::kLong && key_slots.dtype() == at::kLong &&
               row_first.numel() == t_rows && row_len.numel() == t_rows, "lanes_quant: row tables must be int64 [T]");
-  const at::Tensor qc = q.contiguous(), ks = key_slots.contiguous(), first = row_first.contiguous(), lens = row_len.contiguous();
+  const at::Tensor ks = key_slots.contiguous(), first = row_first.contiguous(), lens = row_len.contiguous();
   const int64_t* fp = first.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t* sp = ks.data_ptr<int64_t>();
@@ -163,9 +169,58 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& cache_k, co
     LANES_ATTEND(7) LANES_ATTEND(8) LANES_ATTEND(9) LANES_ATTEND(10) LANES_ATTEND(11) LANES_ATTEND(12)
     LANES_ATTEND(13) LANES_ATTEND(14) LANES_ATTEND(15) LANES_ATTEND(16)
 #undef LANES_ATTEND
-    default: TORCH_CHECK(false, "lanes_quant: a head of ", d, " dimensions is past the kernel's 256");
+    default: break;
   }
   return out;
+}
+
+// q [T, Hq, D] fp32; cache_k, cache_v [S, Hkv, D] fp32; key_slots [N] int64 (each lane's context slots in
+// order, lanes one after another); row_first [T], row_len [T] int64: row t sees key_slots[first, first + len).
+at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                              const at::Tensor& key_slots, const at::Tensor& row_first, const at::Tensor& row_len,
+                              double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.dim() == 3, "lanes_quant: q must be fp32 [T, Hq, D]");
+  check_caches(cache_k, cache_v);
+  return attend_all(q.contiguous(), cache_k, cache_v, key_slots, row_first, row_len, scale);
+}
+
+// The attention part of a layer in one op, for what took RoPE, two index_copy_ and paged_attention: qkv
+// [T, (Hq + 2 Hkv) D] fp32 (a row's q heads, then its k and v heads), cos and sin [T, D]; each row's k
+// rotated and v written at slots[t] of the caches, then its rotated q attended: -> [T, Hq D]. The same
+// arithmetic as those ops (rotate_head, attend), so the same bits.
+at::Tensor rope_attention_op(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache_k,
+                             const at::Tensor& cache_v, const at::Tensor& slots, const at::Tensor& key_slots,
+                             const at::Tensor& row_first, const at::Tensor& row_len, int64_t heads, double scale) {
+  check_caches(cache_k, cache_v);
+  const int64_t t_rows = qkv.size(0), hkv = cache_k.size(1), d = cache_k.size(2), slots_total = cache_k.size(0);
+  TORCH_CHECK(qkv.dtype() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 && heads > 0 && d % 2 == 0 &&
+              qkv.size(1) == (heads + 2 * hkv) * d, "lanes_quant: qkv must be fp32 [T, (Hq + 2 Hkv) D], rows contiguous");
+  TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.dim() == 2 && sin.dim() == 2 &&
+              cos.size(0) == t_rows && sin.size(0) == t_rows && cos.size(1) == d && sin.size(1) == d,
+              "lanes_quant: cos and sin must be fp32 [T, D]");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.numel() == t_rows, "lanes_quant: slots must be int64 [T]");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), sl = slots.contiguous();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_rows; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots_total, "lanes_quant: a key slot is out of range");
+  at::Tensor q = at::empty({t_rows, heads, d}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const float* cp = c.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = cache_k.data_ptr<float>();
+  float* vp = cache_v.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  parallel_for(0, t_rows, std::max<int64_t>(1, 8192 / ((heads + 2 * hkv) * d)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * stride;
+      const float *ct = cp + t * d, *st = sp + t * d;
+      for (int64_t h = 0; h < heads; ++h) lanes_quant::rotate_head(row + h * d, ct, st, d, qp + (t * heads + h) * d);
+      for (int64_t g = 0; g < hkv; ++g) lanes_quant::rotate_head(row + (heads + g) * d, ct, st, d, kp + (slot[t] * hkv + g) * d);
+      std::memcpy(vp + slot[t] * hkv * d, row + (heads + hkv) * d, sizeof(float) * hkv * d);
+    }
+  });
+  return attend_all(q, cache_k, cache_v, key_slots, row_first, row_len, scale).view({t_rows, heads * d});
 }
 
 }  // namespace
@@ -173,6 +228,11 @@ at::Tensor paged_attention_op(const at::Tensor& q, const at::Tensor& cache_k, co
 TORCH_LIBRARY_FRAGMENT(lanes_quant, m) {
   m.def("paged_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor key_slots, Tensor row_first, "
         "Tensor row_len, float scale) -> Tensor");
+  m.def("rope_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) cache_k, Tensor(b!) cache_v, Tensor slots, "
+        "Tensor key_slots, Tensor row_first, Tensor row_len, int heads, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lanes_quant, CPU, m) { m.impl("paged_attention", &paged_attention_op); }
+TORCH_LIBRARY_IMPL(lanes_quant, CPU, m) {
+  m.impl("paged_attention", &paged_attention_op);
+  m.impl("rope_attention", &rope_attention_op);
+}

@@ -31,15 +31,15 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
       const float* row = xp + t * width;
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < width; i += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(lanes_from(width, i), row + i);
+        const __m512 v = load_lanes(lanes_from(width, i), row + i);
         squares = _mm512_fmadd_ps(v, v, squares);
       }
       const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(width) + epsilon);
       const __m512 s = _mm512_set1_ps(scale);
       for (int64_t i = 0; i < width; i += 16) {
         const __mmask16 m = lanes_from(width, i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, row + i), w = _mm512_maskz_loadu_ps(m, wp + i);
-        _mm512_mask_storeu_ps(op + t * width + i, m, _mm512_mul_ps(w, _mm512_mul_ps(v, s)));
+        const __m512 v = load_lanes(m, row + i), w = load_lanes(m, wp + i);
+        store_lanes(op + t * width + i, m, _mm512_mul_ps(w, _mm512_mul_ps(v, s)));
       }
     }
   });

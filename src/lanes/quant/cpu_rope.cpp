@@ -11,16 +11,11 @@ namespace {
 
 using namespace lanes_quant;
 
-// Products with their rounding spelled out: the compiler may not fuse these into an fma, as it would a
-// plain multiply and add (GCC contracts vector intrinsics by default).
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
-
 // x [T, H, D] fp32 (heads and values contiguous, rows any stride); cos, sin [T, D] fp32 -> [T, H, D].
 at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "lanes_quant: x must be fp32 [T, H, D], each row's heads contiguous");
-  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
   TORCH_CHECK(dim % 2 == 0, "lanes_quant: the head size must be even");
   TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat && cos.dim() == 2 && sin.dim() == 2 &&
                   cos.size(0) == rows && sin.size(0) == rows && cos.size(1) == dim && sin.size(1) == dim,
@@ -36,21 +31,7 @@ at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
     for (int64_t t = begin; t < end; ++t) {
       const float* ct = cp + t * dim;
       const float* st = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* v = xp + t * stride + h * dim;
-        float* o = op + (t * heads + h) * dim;
-        for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = lanes_from(half, i);
-          const __m512 a = _mm512_maskz_loadu_ps(m, v + i), b = _mm512_maskz_loadu_ps(m, v + half + i);
-          // first half: a cos - b sin, as a * cos + (-b) * sin; second half: b cos + a sin
-          const __m512 first = _mm512_add_ps(mul(a, _mm512_maskz_loadu_ps(m, ct + i)),
-                                             mul(_mm512_sub_ps(_mm512_setzero_ps(), b), _mm512_maskz_loadu_ps(m, st + i)));
-          const __m512 second = _mm512_add_ps(mul(b, _mm512_maskz_loadu_ps(m, ct + half + i)),
-                                              mul(a, _mm512_maskz_loadu_ps(m, st + half + i)));
-          _mm512_mask_storeu_ps(o + i, m, first);
-          _mm512_mask_storeu_ps(o + half + i, m, second);
-        }
-      }
+      for (int64_t h = 0; h < heads; ++h) rotate_head(xp + t * stride + h * dim, ct, st, dim, op + (t * heads + h) * dim);
     }
   });
   return out;

@@ -51,7 +51,7 @@ RowStats row_stats(const float* x, int64_t V) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < V; i += 16) {
     const __mmask16 m = lanes_from(V, i);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), top))));
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(load_lanes(m, x + i), top))));
   }
   s.lse = std::log(_mm512_reduce_add_ps(sum));
   return s;
@@ -76,8 +76,8 @@ at::Tensor log_softmax_op(const at::Tensor& logits) {
       const __m512 top = _mm512_set1_ps(s.top), lse = _mm512_set1_ps(s.lse);
       for (int64_t i = 0; i < V; i += 16) {
         const __mmask16 m = lanes_from(V, i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, xp + r * V + i);
-        _mm512_mask_storeu_ps(op + r * V + i, m, _mm512_sub_ps(_mm512_sub_ps(v, top), lse));
+        const __m512 v = load_lanes(m, xp + r * V + i);
+        store_lanes(op + r * V + i, m, _mm512_sub_ps(_mm512_sub_ps(v, top), lse));
       }
     }
   });

@@ -132,7 +132,7 @@ struct Pair {
   __m512i first[8], second[8];
   __m512 scale0, scale1, offset0 = _mm512_setzero_ps(), offset1 = _mm512_setzero_ps();
 
-  Pair(const uint8_t* row0, const uint8_t* row1, const Chunks& chunks, const Chunk& c) {
+  __attribute__((always_inline)) Pair(const uint8_t* row0, const uint8_t* row1, const Chunks& chunks, const Chunk& c) {
     load_instructions<GC, Kind != kQ8_0>(row0 + c.quant_offset, first);
     load_instructions<GC, Kind != kQ8_0>(row1 + c.quant_offset, second);
     scale0 = lane_values<GC>(row0 + chunks.scale_offset + 2 * c.first, c);
@@ -144,7 +144,7 @@ struct Pair {
   }
 
   // The chunk of one x row (its prepared bytes at `x`) into the two rows' accumulators.
-  inline void add(const uint8_t* x, __m512& acc0, __m512& acc1) const {
+  __attribute__((always_inline)) void add(const uint8_t* x, __m512& acc0, __m512& acc1) const {
     __m512i dot0 = _mm512_setzero_si512(), dot1 = _mm512_setzero_si512();
     for (int s = 0; s < instructions(GC); ++s) {
       const __m512i xv = _mm512_loadu_si512(x + 64 * s);

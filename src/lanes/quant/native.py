@@ -108,6 +108,10 @@ def _register_fakes() -> None:
     def _(q, cache_k, cache_v, key_slots, row_first, row_len, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("lanes_quant::rope_attention")
+    def _(qkv, cos, sin, cache_k, cache_v, slots, key_slots, row_first, row_len, heads, scale):
+        return qkv.new_empty((qkv.shape[0], heads * cache_k.shape[2]))
+
     @torch.library.register_fake("lanes_quant::silu_mul")
     def _(gate_up):
         return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
