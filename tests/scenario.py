@@ -72,6 +72,21 @@ def reference(model, prompt_ids: Sequence[Sequence[int]], sequences: Sequence[Se
     return prompt_out, step_logits, greedy
 
 
+def assert_same_greedy(prompt_ids, ours, theirs, atol: float = 1e-4) -> None:
+    """Our greedy tokens (`ours[2]`) are transformers' generate()'s (`theirs[2]`) up to a row of its logits
+    (`theirs[0]`, `theirs[1]`, along our tokens) whose best two are within `atol`: a tie at rounding level
+    that either side may break. From there each of ours need only be among that row's best within `atol`."""
+    for lane, prompt in enumerate(prompt_ids):
+        mine, generated = ours[2][lane], theirs[2][lane]
+        assert len(mine) == len(generated) and mine[: len(prompt)] == generated[: len(prompt)]
+        rows = [theirs[0][lane][-1]] + [step[lane] for step in theirs[1]]
+        tied = False
+        for at, token in enumerate(mine[len(prompt) :]):
+            best, second = rows[at].topk(2).values.tolist()
+            assert rows[at][token] >= best - atol, (lane, at, token)
+            tied = tied or best - second <= atol
+            assert tied or token == generated[len(prompt) + at], (lane, at, token)
+
 
 def assert_equals_transformers(model, transformers_model, steps: int = 8) -> None:
     """Ragged prompts prefilled (one in chunks), then decoded, against transformers: logits within 1e-4
@@ -82,7 +97,7 @@ def assert_equals_transformers(model, transformers_model, steps: int = 8) -> Non
     theirs = reference(transformers_model, prompt_ids, ours[2], steps=steps)
     for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
-    assert ours[2] == theirs[2]
+    assert_same_greedy(prompt_ids, ours, theirs)
     pool.check_integrity()
     assert pool.free == pool.total
 

@@ -233,7 +233,7 @@ def test_family_on_cuda_fp32_equals_transformers(kind, overrides, tmp_path):
     theirs = scenario.reference(reference, prompt_ids, ours[2], steps=8, device="cuda")
     for mine, ref in zip(ours[0] + ours[1], theirs[0] + theirs[1]):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-4)
-    assert ours[2] == theirs[2]
+    scenario.assert_same_greedy(prompt_ids, ours, theirs)
     pool.check_integrity()
 
 
