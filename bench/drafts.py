@@ -1,7 +1,7 @@
 """Speculative drafts on the CPU: decode tokens/s with drafts off and on, in one run, at 1, 8 and 32 streams.
 
     python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--draft-tokens 8]
-                           [--runs 1]
+                           [--runs 1] [--dequantize]
 
 Two fixed workloads of 32 chat requests each to the default model, greedy: `input-grounded` (repeat, quote
 or copy a given passage, where the answer repeats its input) and `open-ended` (stories and explanations).
@@ -12,7 +12,8 @@ not decode time); drafts are sized by the lane core's load control, as `lanes se
 Each run's lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
 server that has been up a while has: its load control has timed its passes, its suffix index holds outputs.
 Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens
-a drafted piece.
+a drafted piece. `--dequantize` reads the GGUF file's blocks as fp32 tensors: the full-precision regime,
+whose passes read 4-8x the weight bytes a row.
 """
 
 from __future__ import annotations
@@ -138,10 +139,11 @@ def main() -> None:
     parser.add_argument("--methods", default="ngram,suffix")
     parser.add_argument("--draft-tokens", type=int, default=8, help="a lane's most draft tokens a pass")
     parser.add_argument("--runs", type=int, default=1, help="runs of each setting, interleaved; the median is shown")
+    parser.add_argument("--dequantize", action="store_true", help="the GGUF blocks read as fp32 tensors")
     args = parser.parse_args()
     placement = choose("cpu", "fp32")
     counts = [int(n) for n in args.streams.split(",")]
-    model = load_model(resolve_model(args.model), placement, kv_blocks=max(counts) * blocks_for(1024))
+    model = load_model(resolve_model(args.model), placement, kv_blocks=max(counts) * blocks_for(1024), dequantize=args.dequantize)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
     rows = []
@@ -159,7 +161,8 @@ def main() -> None:
                                                             args.draft_tokens))
             rows.append((name, n, {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in results.items()}))
     kinds = ", ".join(sorted(model.weights_census().tensors))
-    print(f"\ndrafts on the CPU ({args.model}: {kinds}; Q8_0/Q4_0/Q4_1 products on 8-bit activations), greedy, {args.new} new tokens a request, "
+    products = "fp32 products" if args.dequantize else "Q8_0/Q4_0/Q4_1 products on 8-bit activations"
+    print(f"\ndrafts on the CPU ({args.model}: {kinds}; {products}), greedy, {args.new} new tokens a request, "
           f"at most {args.draft_tokens} draft tokens a lane, median of {args.runs}")
     head = f"{'workload':>15} {'streams':>7} {'off tok/s':>9}"
     for method in methods:

@@ -19,6 +19,7 @@ build are left out with the reason):
   ours-<T>-int8   lanes.quant: Q4_1 / Q8_0 read in place, activations rounded to 8 bits a group of 32,
                   integer dot products (AVX-512 VNNI), any number of rows
   ours-Q4_K/Q6_K  lanes.quant's few-rows path on the K-quants of Q4_K_M files (random blocks), fp32
+  ours-f32        lanes.quant's fp32 product of few rows (`mm_f32`, up to 16: the weight read once for all)
 A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up,
 rounds in which every contender runs in turn (interleaved), each a batch of calls of at least `--batch-ms`; the
 figure is the median over rounds of the time a call (the best round beside it: on a shared machine, the
@@ -160,6 +161,12 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
             return (lambda x: ops.mm_tiles(x, w, int(kind), n, k)), w.nbytes
 
         add(f"ours-{kind.name}-tiles", k_tiles)
+
+    def few_rows():
+        w = dense.clone()
+        return (lambda x: ops.mm_f32(x, w)), w.nbytes
+
+    add("ours-f32", few_rows)
     return out
 
 

@@ -113,3 +113,21 @@ def test_without_the_kernels_a_quantized_file_is_dequantized_and_says_so(tmp_pat
     assert "loading tiny.gguf (dequantizing to fp32)" in stream.getvalue()
     layers = model.config.layers
     assert model.weights_census().tensors == {"Q8_0 (held as F32)": 4 * layers + 1, "F32": 2 * layers + 1}
+
+
+def test_dequantize_reads_the_blocks_as_fp32_tensors_that_equal_transformers_gguf_loader(tmp_path, monkeypatch):
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    source = tiny.build("llama", tmp_path / "hf", hidden_size=64, intermediate_size=128, tie_word_embeddings=True)
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write(source, tmp_path / "hf", path, "llama", Q.Q4_1)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float64).eval()
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    model = load_model(path, choose("cpu", "fp32"), kv_blocks=64, dequantize=True)
+    assert "loading tiny.gguf (dequantizing to fp32)" in stream.getvalue()
+    layers = model.config.layers
+    assert model.weights_census().tensors == {"Q4_1 (held as F32)": 4 * layers + 1, "F32": 2 * layers + 1}
+    scenario.assert_equals_transformers(model, reference)  # fp32 activations: no 8-bit rounding in the products

@@ -144,12 +144,15 @@ def load_model(
     vision: bool = False,
     kv_cache: str = "auto",
     quantize: str | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
     """Open, read this shard's weights onto the device with a progress bar, and allocate the KV cache
     (`kv_cache`: "auto", the model's dtype, or "fp8"; a byte budget holds nearly twice the blocks in fp8
     as in bf16); with `vision`, also the vision tower of a family that has one (CheckpointError for one that
     has none). A GGUF file's block formats stay as they are on the CPU; `quantize` ("int8", "int4")
-    quantizes a full-precision checkpoint's matrices (QuantizeRefused where that cannot be done here)."""
+    quantizes a full-precision checkpoint's matrices (QuantizeRefused where that cannot be done here);
+    `dequantize` reads a GGUF file's blocks as tensors in the placement's dtype instead (as on a CPU without
+    the kernels: for comparing against full-precision products)."""
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, not {kv_cache!r}")
     if placement.device.type == "cpu":
@@ -163,12 +166,12 @@ def load_model(
         raise CheckpointError(checkpoint.path, str(error)) from None
     stream = io.StringIO() if quiet else sys.stderr
     comm = comm or Solo()
-    kept = kernels_for(checkpoint, placement, quantize, stream)
+    kept = kernels_for(checkpoint, placement, quantize, stream) and not dequantize
     label = f"loading {checkpoint.path.name} ({load_action(checkpoint, placement, quantize, kept)})"
     with Progress(label, tensor_count(config), stream=stream, unit="tensors") as progress:
         weights = load_decoder(config, checkpoint.source, checkpoint.path, shard=shard, device=placement.device,
                                dtype=placement.dtype, experts=checkpoint.family.experts, comm=comm, progress=progress,
-                               quantize=quantize)
+                               quantize=quantize, keep_blocks=not dequantize)
     kv_shape = KVShape(config.layers, shard.kv_heads(config), config.head_dim, BLOCK_SIZE)
     fp8 = kv_cache == "fp8"
     if kv_blocks is None:

@@ -73,7 +73,7 @@ class GGUFSource:
 
 
     def weight(self, name: str, *, dim: int | None = None, rank: int = 0, world: int = 1, dtype: torch.dtype,
-               device: torch.device) -> Weight | None:
+               device: torch.device, keep: bool = True) -> Weight | None:
         """A matrix as `lanes.quant.from_gguf` builds it from the file's bytes, this rank's part of it (rows
         moved as bytes: the Q/K permutation undone by `rows`, column slices cut at block edges); None where
         `get` must read it (not a matrix, or a column slice inside a block)."""
@@ -97,7 +97,7 @@ class GGUFSource:
             else:
                 return None
             columns = step
-        weight = from_gguf(data, tensor.tensor_type, (rows, columns), dtype, device=device)
+        weight = from_gguf(data, tensor.tensor_type, (rows, columns), dtype, device=device, keep=keep)
         index = torch.arange(rows)
         if self._permute and ".self_attn.q_proj." in name:
             index = unpermute(index, self._heads)

@@ -59,14 +59,16 @@ def load_decoder(
     comm: Collective | None = None,
     progress: Progress | None = None,
     quantize: str | None = None,
+    keep_blocks: bool = True,
 ) -> DecoderWeights:
     """Read every tensor this shard needs, composing each layer's parts from the config (`experts`: where
-    an MoE family keeps its experts' tensors; `quantize`: "int8" or "int4" for full-precision matrices); missing or misshapen tensors raise CheckpointError."""
+    an MoE family keeps its experts' tensors; `quantize`: "int8" or "int4" for full-precision matrices; without `keep_blocks`, a GGUF file's
+    blocks are dequantized to `dtype`); missing or misshapen tensors raise CheckpointError."""
     shard.check(config)
     if config.moe is not None and experts is None:
         raise ValueError(f"the {config.family} family has experts but names none of their tensors")
     comm = comm or Solo()
-    read = Reader(source, path, device, dtype, progress, quantize)
+    read = Reader(source, path, device, dtype, progress, quantize, keep_blocks)
     hidden = config.hidden_size
     layers = []
     for i in range(config.layers):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..gpu.collective import Collective
 from ..quant import DenseWeight, Weight
+from ..quant.weight import dense_product
 
 
 class Linear:
@@ -35,13 +36,13 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
         if self.dense:
-            return F.linear(x, self.weight, self.bias)
+            return dense_product(x, self.weight, self.bias)
         out = self.weight.matmul(x)
         return out if self.bias is None else out + self.bias
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T without the bias."""
-        return F.linear(x, self.weight) if self.dense else self.weight.matmul(x)
+        return dense_product(x, self.weight) if self.dense else self.weight.matmul(x)
 
     def one_row_ready(self) -> bool:
         """Whether the one-row GEMVs can read this weight (they read a tensor by rows)."""

@@ -63,12 +63,12 @@ class Reader:
     """Reads named tensors from a source onto the device, checking shapes against the config; one step of
     `progress` a tensor the model holds (an MoE layer's experts, read expert by expert, are one). Matrices
     read as `weight` stay in a GGUF file's block format where the source keeps one, or are quantized
-    (`quantize`: "int8" or "int4", `--quantize`)."""
+    (`quantize`: "int8" or "int4", `--quantize`); without `keep_blocks` every matrix is a tensor in `dtype`."""
 
     def __init__(self, source: TensorSource, path: Path, device: torch.device, dtype: torch.dtype, progress: Progress | None,
-                 quantize: str | None = None):
+                 quantize: str | None = None, keep_blocks: bool = True):
         self.source, self.path, self.device, self.dtype, self.progress = source, path, device, dtype, progress
-        self.quantize = quantize
+        self.quantize, self.keep_blocks = quantize, keep_blocks
         self.names = set(source.names())
 
     def has(self, name: str) -> bool:
@@ -90,7 +90,8 @@ class Reader:
         weight = None
         if keep is not None:
             self._check(name, shape)
-            weight = keep(name, dim=dim, rank=part[0], world=part[1], dtype=self.dtype, device=self.device)
+            weight = keep(name, dim=dim, rank=part[0], world=part[1], dtype=self.dtype, device=self.device,
+                          keep=self.keep_blocks)
         if weight is None:
             tensor = self._read(name, shape, dim, part, torch.float32 if self.quantize else None)
             if self.quantize and tensor.shape[1] % 32 == 0:

@@ -14,23 +14,24 @@ from .weight import DenseWeight, QuantWeight, Weight
 
 
 def from_gguf(data: np.ndarray, kind: int | gguf.GGMLQuantizationType, shape: tuple[int, int], dtype: torch.dtype,
-              *, device: torch.device | str | None = None) -> Weight:
+              *, device: torch.device | str | None = None, keep: bool = True) -> Weight:
     """A GGUF matrix of torch shape [out, in] from its bytes as the reader maps them (`data`), for `device`
     (None: the CPU).
 
     On the CPU, types with a kernel stay in their format (the bytes copied once, nothing dequantized);
     F32/F16/BF16 become a tensor in `dtype`; other types, or any type when the kernels cannot run here, are
-    dequantized to `dtype` on the device. On CUDA the kernels are lanes.gpu.quant's (Q8_0, Q4_K, Q6_K)."""
+    dequantized to `dtype` on the device, as is every type without `keep`. On CUDA the kernels are
+    lanes.gpu.quant's (Q8_0, Q4_K, Q6_K)."""
     out_features, in_features = shape
     fmt = FORMATS.get(int(kind))
     device = torch.device(device or "cpu")
-    if device.type == "cuda":
+    if keep and device.type == "cuda":
         from ..gpu.quant import KINDS, CudaQuantWeight
 
         if fmt is not None and fmt.kind in KINDS:
             raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, fmt.row_bytes(in_features))
             return CudaQuantWeight(torch.from_numpy(raw.copy()).to(device), fmt, shape)
-    elif fmt is not None and device.type == "cpu" and unavailable_reason() is None:
+    elif keep and fmt is not None and device.type == "cpu" and unavailable_reason() is None:
         raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, fmt.row_bytes(in_features))
         return QuantWeight(torch.from_numpy(raw.copy()), fmt, shape)
     values = np.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType(int(kind)))).reshape(shape)

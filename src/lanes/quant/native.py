@@ -1,8 +1,9 @@
 """The C++ kernels (gguf_kernels.cpp: products over GGUF blocks; int8_kernels.cpp: the 32-value formats'
 products in integers; cpu_attention.cpp: paged attention; cpu_activation.cpp: the gated MLP's silu;
-cpu_norm.cpp: RMSNorm; cpu_rope.cpp: rotary embeddings; cpu_softmax.cpp: log-softmax and greedy draws; all need AVX-512 with VNNI): compiled on first use with the machine's C++ compiler, cached under
-`$LANES_HOME/kernels`, and loaded as the torch ops `torch.ops.lanes_quant.*` (fake versions registered, so
-torch.compile can trace through them)."""
+cpu_norm.cpp: RMSNorm; cpu_rope.cpp: rotary embeddings; cpu_softmax.cpp: log-softmax and greedy draws;
+cpu_dense.cpp: fp32 products of few rows; all need AVX-512 with VNNI): compiled on first use with the
+machine's C++ compiler, cached under `$LANES_HOME/kernels`, and loaded as the torch ops
+`torch.ops.lanes_quant.*` (fake versions registered, so torch.compile can trace through them)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(n) for n in ("gguf_kernels.cpp", "int8_kernels.cpp", "cpu_attention.cpp",
-                                                 "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp", "cpu_softmax.cpp")]
+                                                 "cpu_activation.cpp", "cpu_norm.cpp", "cpu_rope.cpp", "cpu_softmax.cpp",
+                                                 "cpu_dense.cpp")]
 HEADERS = [Path(__file__).with_name(n) for n in ("gguf_formats.h", "int8_chunks.h", "cpu_math.h", "cpu_pool.h",
                                                  "cpu_rows.h")]
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
@@ -99,6 +101,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("lanes_quant::mm_int8")
     def _(x, w, kind, n, k):
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("lanes_quant::mm_f32")
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("lanes_quant::take_int8")
     def _(w, ids, kind, n, k):

@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from .formats import BlockFormat
 from .int8_layout import from_lanes, to_lanes
-from .native import kernels
+from .native import available, kernels
 
 INTEGER = {"Q8_0", "Q4_0", "Q4_1"}  # multiplied in integers, activations quantized to 8 bits a group of 32
 PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
+FEW_ROWS = 16  # fp32 products of up to this many rows of x run our kernel, which reads the weight once for all
 
 
 class Weight(Protocol):
@@ -116,13 +117,23 @@ class DenseWeight:
         return self.tensor.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.tensor) if x.dtype == self.tensor.dtype else F.linear(x, self.tensor.to(x.dtype))
+        return dense_product(x, self.tensor if x.dtype == self.tensor.dtype else self.tensor.to(x.dtype))
 
     def take(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return F.embedding(ids, self.tensor).to(dtype)
 
     def rows(self, index: torch.Tensor) -> "DenseWeight":
         return DenseWeight(self.tensor.index_select(0, index.to(torch.int64)), self.source)
+
+
+def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ w.T (+ bias) for a full-precision w: a CPU decode pass's few fp32 rows by our kernel, which
+    reads w once for all of them and gives each row the same bits at any row count; the rest by torch."""
+    if (x.dtype == w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= FEW_ROWS and w.device.type == "cpu"
+            and w.is_contiguous() and available()):
+        out = kernels().mm_f32(x, w)
+        return out if bias is None else out + bias
+    return F.linear(x, w, bias)
 
 
 class StackedWeight:

@@ -1,0 +1,113 @@
+// fp32 products with few activation rows (AVX-512), registered as `lanes_quant::mm_f32`: x [T, K] @ w.T.
+//
+// A decode pass multiplies each full-precision weight by a handful of rows (a lane's one, or a drafted
+// lane's 1 + k); the weights are read from memory once for all of them (a block of 4 weight rows stays in
+// L1 while every row of x passes over it), so a row past the first adds its arithmetic, not another read
+// (docs/DECISIONS.md, "fp32 products of few rows"). Each (weight row, x row) product is one fma chain over
+// K in order, summed across its 16 lanes by a fixed tree: its bits do not depend on T or on the tile it fell
+// in, so a drafted lane's rows equal its plain rows.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <algorithm>
+
+#include "cpu_math.h"
+#include "cpu_pool.h"
+#include "cpu_rows.h"
+
+namespace {
+
+using lanes_quant::lane_of_sum;
+using lanes_quant::lane_sums;
+using lanes_quant::lanes_from;
+
+constexpr int kRows = 4;  // weight rows a block
+constexpr int kTile = 4;  // x rows a tile: 16 accumulators with the block's rows
+
+// Weight rows [n0, n0 + R) by x rows [t0, t0 + TT) into out [T, N]: whole vectors of K, then its masked tail.
+template <int R, int TT>
+void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, int64_t N, int64_t K) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const float* wr = w + n0 * K;
+  const float* xr = x + t0 * K;
+  int64_t c = 0;
+  for (; c + 16 <= K; c += 16) {
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(wr + r * K + c);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xv = _mm512_loadu_ps(xr + t * K + c);
+      for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
+    }
+  }
+  if (c < K) {
+    const __mmask16 m = lanes_from(K, c);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(m, wr + r * K + c);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xv = _mm512_maskz_loadu_ps(m, xr + t * K + c);
+      for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, lane_sums(acc));
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) out[(t0 + t) * N + n0 + r] = sums[lane_of_sum(r * TT + t)];
+}
+
+// All of x's rows over one block of weight rows, in tiles of at most kTile as even as they come (9: 3, 3, 3):
+// a one-row tile would load the block for 4 products only.
+template <int R>
+void rows_block(const float* x, const float* w, float* out, int64_t n0, int64_t T, int64_t N, int64_t K) {
+  const int64_t tiles = (T + kTile - 1) / kTile;
+  for (int64_t i = 0, t0 = 0; i < tiles; ++i) {
+    const int64_t rows = (T - t0) / (tiles - i) + ((T - t0) % (tiles - i) != 0);
+    switch (rows) {
+      case 4: block<R, 4>(x, w, out, n0, t0, N, K); break;
+      case 3: block<R, 3>(x, w, out, n0, t0, N, K); break;
+      case 2: block<R, 2>(x, w, out, n0, t0, N, K); break;
+      default: block<R, 1>(x, w, out, n0, t0, N, K); break;
+    }
+    t0 += rows;
+  }
+}
+
+// x [T, K] fp32, w [N, K] fp32, both contiguous -> [T, N].
+at::Tensor mm_f32_op(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dtype() == at::kFloat && w.dtype() == at::kFloat && x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "lanes_quant: mm_f32 takes fp32 x [T, K] and w [N, K]");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t T = xc.size(0), K = xc.size(1), N = wc.size(0);
+  at::Tensor out = at::empty({T, N}, xc.options());
+  if (T == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = (N + kRows - 1) / kRows;
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(float));
+  lanes_quant::parallel_for(0, blocks, std::max<int64_t>(1, 4096 / (K * std::max<int64_t>(T, 1)) + 1),
+                            [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kRows;
+      lanes_quant::prefetch_rows(reinterpret_cast<const uint8_t*>(wp), row_bytes, n0 + 2 * kRows, kRows, N);
+      switch (std::min<int64_t>(kRows, N - n0)) {
+        case 4: rows_block<4>(xp, wp, op, n0, T, N, K); break;
+        case 3: rows_block<3>(xp, wp, op, n0, T, N, K); break;
+        case 2: rows_block<2>(xp, wp, op, n0, T, N, K); break;
+        default: rows_block<1>(xp, wp, op, n0, T, N, K); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lanes_quant, m) {
+  m.def("mm_f32(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lanes_quant, CPU, m) {
+  m.impl("mm_f32", &mm_f32_op);
+}

@@ -1,0 +1,68 @@
+"""The fp32 product of few rows (lanes/quant/cpu_dense.cpp, `dense_product`): within fp32 summation of the
+float64 product, and batch invariant: a row's output has the same bits alone, as one of a drafted lane's
+1 + k rows, or anywhere among 16, which is what lets drafted decoding equal plain decoding on fp32 weights.
+
+Rules: random weights and rows made here; the reference is the float64 product; skipped only where the
+kernels cannot be built.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lanes.quant.native import kernels, unavailable_reason
+from lanes.quant.weight import FEW_ROWS, DenseWeight, dense_product
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="the CPU kernels cannot be built here")
+
+
+def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+
+
+@pytest.mark.parametrize("n,k", [(1, 16), (4, 33), (7, 576), (130, 1000), (5, 1)])
+def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
+    x, w = operands(FEW_ROWS, n, k)
+    exact = x.double() @ w.double().T
+    # an fma chain of k / 16 steps in each lane, then a tree of 4 adds over the 16 lanes
+    bound = (k / 16 + 5) * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
+    for rows in range(1, FEW_ROWS + 1):
+        out = kernels().mm_f32(x[:rows], w)
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        assert ((out.double() - exact[:rows]).abs() <= bound[:rows]).all()
+
+
+@pytest.mark.parametrize("n,k", [(9, 576), (64, 1536), (3, 40)])
+def test_a_rows_product_has_the_same_bits_at_any_row_count_and_place(n, k):
+    x, w = operands(FEW_ROWS, n, k, seed=1)
+    alone = torch.cat([kernels().mm_f32(x[i : i + 1], w) for i in range(FEW_ROWS)])
+    for rows in range(1, FEW_ROWS + 1):
+        assert torch.equal(kernels().mm_f32(x[:rows], w), alone[:rows])
+    order = torch.randperm(FEW_ROWS, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(kernels().mm_f32(x[order], w), alone[order])
+
+
+def test_no_rows_give_an_empty_product():
+    x, w = operands(0, 8, 32)
+    assert kernels().mm_f32(x, w).shape == (0, 8)
+
+
+def test_mismatched_shapes_are_refused():
+    x, w = operands(2, 8, 32)
+    with pytest.raises(RuntimeError, match="mm_f32 takes fp32 x"):
+        kernels().mm_f32(x, w[:, :16])
+    with pytest.raises(RuntimeError, match="mm_f32 takes fp32 x"):
+        kernels().mm_f32(x.double(), w)
+
+
+def test_few_fp32_rows_take_the_kernel_with_the_bias_added_and_the_rest_take_torch():
+    x, w = operands(FEW_ROWS + 1, 48, 96, seed=3)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(dense_product(x[:FEW_ROWS], w), kernels().mm_f32(x[:FEW_ROWS], w))
+    assert torch.equal(dense_product(x[:3], w, bias), kernels().mm_f32(x[:3], w) + bias)
+    assert torch.equal(DenseWeight(w).matmul(x[:3]), kernels().mm_f32(x[:3], w))
+    assert torch.equal(dense_product(x, w, bias), F.linear(x, w, bias))  # a prompt's many rows
+    strided = torch.randn(96, 48).T  # a weight that is a view: torch reads it where it lies, no copy a pass
+    assert torch.equal(dense_product(x[:2], strided), F.linear(x[:2], strided))
+    assert torch.equal(dense_product(x[:2].bfloat16(), w.bfloat16()), F.linear(x[:2].bfloat16(), w.bfloat16()))
