@@ -36,6 +36,7 @@ import sys
 import time
 from typing import Callable
 
+import lanes  # noqa: F401  (first: OpenMP's threads wait passively, as in lanes, not spinning against our pool's)
 import gguf
 import numpy as np
 import torch
