@@ -86,12 +86,12 @@ class Reader:
                part: tuple[int, int] = (0, 1)) -> Weight:
         """A matrix as `get` slices it, as a `Weight`: the source's own (a GGUF block format kept as it is)
         where it has one, else the tensor, quantized group-wise with `quantize` where its rows are whole groups."""
-        keep = getattr(self.source, "weight", None)
+        own = getattr(self.source, "weight", None)  # the source's own Weight (GGUF blocks), where it has one
         weight = None
-        if keep is not None:
+        if own is not None:
             self._check(name, shape)
-            weight = keep(name, dim=dim, rank=part[0], world=part[1], dtype=self.dtype, device=self.device,
-                          keep=self.keep_blocks)
+            weight = own(name, dim=dim, rank=part[0], world=part[1], dtype=self.dtype, device=self.device,
+                         keep=self.keep_blocks)
         if weight is None:
             tensor = self._read(name, shape, dim, part, torch.float32 if self.quantize else None)
             if self.quantize and tensor.shape[1] % 32 == 0:
