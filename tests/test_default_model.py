@@ -59,3 +59,15 @@ def test_logits_equal_transformers_gguf_loader(smollm2):
     assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()  # 3.1 of 37.6 measured
     table.clear(pool)
     pool.check_integrity()
+
+
+async def test_greedy_chat_answer_over_an_fp8_cache():
+    """`--kv-cache fp8` on the default model: its keys and values in e4m3 leave the chat answer as it is."""
+    model = load_model(resolve_model(None), choose("cpu", "fp32"), kv_blocks=64, quiet=True, kv_cache="fp8")
+    assert model.decoder.kv.fp8
+    tokenizer = model.tokenizer
+    prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
+    with trio.fail_after(120):
+        tokens = [t async for t in greedy(model, CpuRunner(), prompt, 32)]
+    assert tokens[-1] in tokenizer.eos_ids
+    assert tokenizer.decode(tokens) == "The capital of France is Paris."
