@@ -138,19 +138,24 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert drafting._choose(jobs)[0] == 6  # a new stream starts from the prior
 
 
-def test_load_control_rates_each_draft_token_given_the_ones_before_it_were_kept():
-    """A draft of 8 with 2 kept tried 3 tokens (the third failed), so a token is kept 2 times in 3, not 1 in 4;
-    a lane whose drafts are all kept is planned with rate 1 and drafts its most."""
-    jobs = [Stream(i, (1,)) for i in range(2)]
+def test_load_control_rates_a_first_draft_token_and_each_later_one_given_the_ones_before_it_were_kept():
+    """A draft of 8 with 2 kept tried its first token (kept) and two later ones (one kept): the first is kept
+    always, a later one 1 time in 2. A draft that starts right goes on right, so the two are learnt apart: a
+    lane whose drafts fail at once or are kept whole keeps every later token it tries."""
+    jobs = [Stream(i, (1,)) for i in range(3)]
     drafting = Drafting(Source(), most=8)
     for rows, seconds in [(1, 0.010), (9, 0.022), (17, 0.034)]:  # 1.5 ms a row over 8.5 ms fixed
         drafting.passed(rows, seconds)
-    for _ in range(60):
+    for i in range(60):
         drafting.observe(jobs[0], 8, 2)
         drafting.observe(jobs[1], 4, 4)
-    assert drafting._rate(0) == pytest.approx(2 / 3, rel=1e-5) and drafting._rate(1) == pytest.approx(1, rel=1e-5)
-    # lane 1's 8 rows first; then lane 0's first token (2/3 x 23.5 ms > 10 tokens x 1.5 ms), not its second
-    assert drafting._choose(jobs) == {0: 1, 1: 8}
+        drafting.observe(jobs[2], 8, 8 * (i % 2))
+    assert drafting._rates(0) == pytest.approx((1, 1 / 2), rel=1e-5)
+    assert drafting._rates(1) == pytest.approx((1, 1), rel=1e-5)
+    first, later = drafting._rates(2)
+    assert first == pytest.approx(1 / 1.8, rel=1e-5) and later == pytest.approx(1, rel=1e-5)  # kept 1/(1 + 0.8)
+    # lane 0's first token and lane 1's 8 rows, not lane 0's second (1/2 x 25 ms < 11 tokens x 1.5 ms)
+    assert drafting._choose(jobs[:2]) == {0: 1, 1: 8}
 
 
 class Dry:
@@ -309,10 +314,11 @@ def test_a_lane_that_does_not_draft_learns_its_rate_from_its_would_be_drafts():
         wandering.generated += [1, 9, 9, 9]  # one kept, the second tried and failed
         dry.generated += [7, 7, 7, 7]
     drafting._score(jobs)
-    kept, tried = (1 - 0.8 ** 12) / 0.2 * 4, (1 - 0.8 ** 12) / 0.2 * 4  # decayed sums of 12 drafts
-    assert drafting._rate(0) == pytest.approx((0.8 ** 12 * 1.2 + kept) / (0.8 ** 12 * 2 + tried))
-    assert drafting._rate(1) == pytest.approx((0.8 ** 12 * 1.2 + kept / 4) / (0.8 ** 12 * 2 + tried / 2))
-    assert drafting._rate(2) == pytest.approx(0.6) and drafting._found[2][0] == pytest.approx(0.8 ** 12)
+    drafts = (1 - 0.8 ** 12) / 0.2  # the decayed count of 12 drafts
+    first = (0.8 ** 12 * 1.2 + drafts) / (0.8 ** 12 * 2 + drafts)  # each lane's first token kept every time
+    assert drafting._rates(0) == pytest.approx((first, (0.8 ** 12 * 1.2 + 3 * drafts) / (0.8 ** 12 * 2 + 3 * drafts)))
+    assert drafting._rates(1) == pytest.approx((first, 0.8 ** 12 * 1.2 / (0.8 ** 12 * 2 + drafts)))  # its second failed
+    assert drafting._rates(2) == pytest.approx((0.6, 0.6)) and drafting._found[2][0] == pytest.approx(0.8 ** 12)
     assert drafting.statistics().pieces == 0  # nothing was drafted
 
 

@@ -5,9 +5,12 @@ of the decode passes' cost (seconds = fixed + per row x rows, learnt from the pa
 timed from the result of the pass before): passes planned afresh after that result, as a drafted pass
 must be, and passes planned ahead of it (or fed behind it on the device), whose host work hides under
 the device's. Before a pass it gives each lane the draft length that most raises the pass's expected
-tokens a second: a lane whose draft tokens are each kept with chance a (given the ones before it were)
-gains a^(k+1) expected tokens from its (k+1)-th draft token, which costs one row; a lane drafts one more
-token while that gain beats the pass's current tokens a second times a row's cost. Then the drafted pass
+tokens a second: a lane whose first draft token is kept with chance a, and each later one with chance b
+given the ones before it were, gains a b^k expected tokens from its (k+1)-th draft token, which costs one
+row; a lane drafts one more token while that gain beats the pass's current tokens a second times a row's
+cost. The two chances differ: a draft that starts right goes on right (a copy of the prompt, measured:
+its first token kept 0.68 of the time, each later one 0.91-0.98), so one chance for all undervalues the
+tail of a long draft. Then the drafted pass
 must beat a plain pass planned ahead, at its rate, or nothing is drafted: on a GPU a pass planned ahead
 costs a fraction of one planned afresh. So a lane whose drafts fail, or a pass big enough that rows are
 dear, drafts nothing. A lane's gains are also weighed by how often its source found a draft when asked:
@@ -33,7 +36,7 @@ from .job import Job
 
 PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
 PRIOR_TRIALS = 2.0  # the prior's weight in draft tokens tried, decayed like a stream's own
-RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS)  # a stream's first record (kept, tried)
+RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS) * 2  # a stream's first record: (kept, tried) first tokens, later ones
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
 COST_DECAY = 0.95  # the weight of past passes in the cost model
@@ -133,7 +136,7 @@ class Drafting:
     def __init__(self, source: DraftSource, most: int, control: bool = True) -> None:
         self.source, self.most = source, most
         self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
-        self._record: dict[int, tuple[float, float]] = {}  # job id -> draft tokens kept and tried, decayed
+        self._record: dict[int, tuple[float, float, float, float]] = {}  # job id -> first, later draft tokens kept and tried, decayed
         self._found: dict[int, tuple[float, float]] = {}  # job id -> times its source found a draft and was asked
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._ready: dict[int, int] | None = None  # lengths `would_draft` chose, for the fresh plan it asked for
@@ -223,7 +226,7 @@ class Drafting:
     def _choose(self, jobs, drafts: Mapping[int, tuple[int, ...]] | None = None) -> dict[int, int]:
         """Each decoding job's draft length (by id) for the next pass; see the module's docstring. With
         `drafts` (peeked) a lane drafts at most its draft's length."""
-        rates = {job.id: self._rate(job.id) for job in jobs}
+        rates = {job.id: self._rates(job.id) for job in jobs}
         if not self.control:
             return dict.fromkeys(rates, self.most)
         lengths = dict.fromkeys(rates, 0)
@@ -246,7 +249,7 @@ class Drafting:
             if lengths[job] >= most[job]:
                 heapq.heappop(gains)
             else:
-                heapq.heapreplace(gains, (-gain * rates[job], order, job))
+                heapq.heapreplace(gains, (-gain * rates[job][1], order, job))
         lanes, seconds = float(len(rates)), fixed + per_row * rows
         if self.ahead.known and seconds > 0 and tokens / seconds <= lanes / max(self.ahead.seconds(lanes), 1e-9):
             return dict.fromkeys(rates, 0)  # a plain pass planned ahead makes tokens faster than this draft
@@ -272,9 +275,12 @@ class Drafting:
         self._learn(job.id, drafted, accepted)
 
     def _learn(self, job_id: int, drafted: int, accepted: int) -> None:
-        # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were)
-        kept, tried = self._record.get(job_id, RECORD_PRIOR)
-        self._record[job_id] = (DECAY * kept + accepted, DECAY * tried + min(drafted, accepted + 1))
+        # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were),
+        # its first and, when that was kept, min(k, j + 1) - 1 later ones
+        kept, tried, kept_later, tried_later = self._record.get(job_id, RECORD_PRIOR)
+        later = min(drafted, accepted + 1) - 1 if accepted else 0
+        self._record[job_id] = (DECAY * kept + (accepted > 0), DECAY * tried + 1,
+                                DECAY * kept_later + max(accepted - 1, 0), DECAY * tried_later + later)
 
     def _score(self, jobs) -> None:
         """Would-be drafts against the tokens their lanes drew since: each one whose fate is known (a token
@@ -302,19 +308,19 @@ class Drafting:
         if ahead:
             self._unseen = 0
 
-    def _rate(self, job_id: int) -> float:
-        """A draft token's chance of being kept, given the ones before it were: the stream's decayed record,
-        which starts as the prior's."""
-        kept, tried = self._record.get(job_id, RECORD_PRIOR)
-        return kept / tried
+    def _rates(self, job_id: int) -> tuple[float, float]:
+        """A first draft token's chance of being kept, and a later one's given the ones before it were: the
+        stream's decayed record, which starts as the prior's."""
+        kept, tried, kept_later, tried_later = self._record.get(job_id, RECORD_PRIOR)
+        return kept / tried, kept_later / tried_later
 
     def _first_gain(self, job_id: int, drafts: Mapping[int, tuple[int, ...]] | None = None) -> float:
         """A first draft token's expected gain: the source finds a draft for the stream (known when peeked),
         and it is kept."""
         if drafts is not None:
-            return self._rate(job_id) if drafts[job_id] else 0.0
+            return self._rates(job_id)[0] if drafts[job_id] else 0.0
         found, asked = self._found.get(job_id, FOUND_PRIOR)
-        return found / asked * self._rate(job_id)
+        return found / asked * self._rates(job_id)[0]
 
     def ended(self, job: Job) -> None:
         self._record.pop(job.id, None)

@@ -5,7 +5,8 @@
 // L1 while every row of x passes over it), so a row past the first adds its arithmetic, not another read
 // (docs/DECISIONS.md, "fp32 products of few rows"). Each (weight row, x row) product is one fma chain over
 // K in order, summed across its 16 lanes by a fixed tree: its bits do not depend on T or on the tile it fell
-// in, so a drafted lane's rows equal its plain rows.
+// in, so a drafted lane's rows equal its plain rows. The block kAhead blocks on is fetched a line a row per
+// step of K while this one computes: fetched in one burst, it waited on memory before the arithmetic began.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -23,10 +24,18 @@ using lanes_quant::lanes_from;
 
 constexpr int kRows = 4;  // weight rows a block
 constexpr int kTile = 4;  // x rows a tile: 16 accumulators with the block's rows
+constexpr int kAhead = 2;  // blocks between the one computed and the one fetched (1, 2 and 4 measured: 2 among the best)
 
-// Weight rows [n0, n0 + R) by x rows [t0, t0 + TT) into out [T, N]: whole vectors of K, then its masked tail.
+// A line of each of `rows` rows at column c of the block ahead (none past the last row), toward L2.
+inline void fetch_ahead(const float* ahead, int rows, int64_t K, int64_t c) {
+  for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * K + c), _MM_HINT_T1);
+}
+
+// Weight rows [n0, n0 + R) by x rows [t0, t0 + TT) into out [T, N]: whole vectors of K, then its masked tail;
+// `ahead` rows of the block ahead are fetched meanwhile.
 template <int R, int TT>
-void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, int64_t N, int64_t K) {
+void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, int64_t N, int64_t K,
+           const float* ahead_w, int ahead) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const float* wr = w + n0 * K;
@@ -35,6 +44,7 @@ void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, i
   for (; c + 16 <= K; c += 16) {
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(wr + r * K + c);
+    fetch_ahead(ahead_w, ahead, K, c);
     for (int t = 0; t < TT; ++t) {
       const __m512 xv = _mm512_loadu_ps(xr + t * K + c);
       for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
@@ -44,6 +54,7 @@ void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, i
     const __mmask16 m = lanes_from(K, c);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(m, wr + r * K + c);
+    fetch_ahead(ahead_w, ahead, K, c);
     for (int t = 0; t < TT; ++t) {
       const __m512 xv = _mm512_maskz_loadu_ps(m, xr + t * K + c);
       for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
@@ -56,17 +67,18 @@ void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, i
 }
 
 // All of x's rows over one block of weight rows, in tiles of at most kTile as even as they come (9: 3, 3, 3):
-// a one-row tile would load the block for 4 products only.
+// a one-row tile would load the block for 4 products only. The first tile fetches the block ahead.
 template <int R>
-void rows_block(const float* x, const float* w, float* out, int64_t n0, int64_t T, int64_t N, int64_t K) {
+void rows_block(const float* x, const float* w, float* out, int64_t n0, int64_t T, int64_t N, int64_t K,
+                const float* ahead_w, int ahead) {
   const int64_t tiles = (T + kTile - 1) / kTile;
   for (int64_t i = 0, t0 = 0; i < tiles; ++i) {
     const int64_t rows = (T - t0) / (tiles - i) + ((T - t0) % (tiles - i) != 0);
     switch (rows) {
-      case 4: block<R, 4>(x, w, out, n0, t0, N, K); break;
-      case 3: block<R, 3>(x, w, out, n0, t0, N, K); break;
-      case 2: block<R, 2>(x, w, out, n0, t0, N, K); break;
-      default: block<R, 1>(x, w, out, n0, t0, N, K); break;
+      case 4: block<R, 4>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
+      case 3: block<R, 3>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
+      case 2: block<R, 2>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
+      default: block<R, 1>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
     }
     t0 += rows;
   }
@@ -89,13 +101,14 @@ at::Tensor mm_f32_op(const at::Tensor& x, const at::Tensor& w) {
   lanes_quant::parallel_for(0, blocks, std::max<int64_t>(1, 4096 / (K * std::max<int64_t>(T, 1)) + 1),
                             [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kRows;
-      lanes_quant::prefetch_rows(reinterpret_cast<const uint8_t*>(wp), row_bytes, n0 + 2 * kRows, kRows, N);
+      const int64_t n0 = b * kRows, a0 = n0 + kAhead * kRows;
+      if (b == begin) lanes_quant::prefetch_rows(reinterpret_cast<const uint8_t*>(wp), row_bytes, n0, kAhead * kRows, N);
+      const int ahead = static_cast<int>(std::clamp<int64_t>(N - a0, 0, kRows));
       switch (std::min<int64_t>(kRows, N - n0)) {
-        case 4: rows_block<4>(xp, wp, op, n0, T, N, K); break;
-        case 3: rows_block<3>(xp, wp, op, n0, T, N, K); break;
-        case 2: rows_block<2>(xp, wp, op, n0, T, N, K); break;
-        default: rows_block<1>(xp, wp, op, n0, T, N, K); break;
+        case 4: rows_block<4>(xp, wp, op, n0, T, N, K, wp + std::min(a0, N) * K, ahead); break;
+        case 3: rows_block<3>(xp, wp, op, n0, T, N, K, wp + std::min(a0, N) * K, ahead); break;
+        case 2: rows_block<2>(xp, wp, op, n0, T, N, K, wp + std::min(a0, N) * K, ahead); break;
+        default: rows_block<1>(xp, wp, op, n0, T, N, K, wp + std::min(a0, N) * K, ahead); break;
       }
     }
   });
