@@ -32,13 +32,18 @@ def test_family_and_shape(smollm2):
     assert (config.vocab_size, config.tie_embeddings) == (49152, True)
 
 
-async def test_greedy_chat_answer(smollm2):
-    tokenizer = smollm2.tokenizer
+async def chat_answer(model) -> str:
+    """The model's greedy answer to QUESTION, which must end at an EOS within 32 tokens."""
+    tokenizer = model.tokenizer
     prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
     with trio.fail_after(120):
-        tokens = [t async for t in greedy(smollm2, CpuRunner(), prompt, 32)]
+        tokens = [t async for t in greedy(model, CpuRunner(), prompt, 32)]
     assert tokens[-1] in tokenizer.eos_ids
-    assert tokenizer.decode(tokens) == "The capital of France is Paris."
+    return tokenizer.decode(tokens)
+
+
+async def test_greedy_chat_answer(smollm2):
+    assert await chat_answer(smollm2) == "The capital of France is Paris."
 
 
 def test_logits_equal_transformers_gguf_loader(smollm2):
@@ -65,9 +70,4 @@ async def test_greedy_chat_answer_over_an_fp8_cache():
     """`--kv-cache fp8` on the default model: its keys and values in e4m3 leave the chat answer as it is."""
     model = load_model(resolve_model(None), choose("cpu", "fp32"), kv_blocks=64, quiet=True, kv_cache="fp8")
     assert model.decoder.kv.fp8
-    tokenizer = model.tokenizer
-    prompt = tokenizer.encode_prompt(tokenizer.render_chat([{"role": "user", "content": QUESTION}]))
-    with trio.fail_after(120):
-        tokens = [t async for t in greedy(model, CpuRunner(), prompt, 32)]
-    assert tokens[-1] in tokenizer.eos_ids
-    assert tokenizer.decode(tokens) == "The capital of France is Paris."
+    assert await chat_answer(model) == "The capital of France is Paris."
