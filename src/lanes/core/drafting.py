@@ -10,9 +10,8 @@ given the ones before it were, gains a b^k expected tokens from its (k+1)-th dra
 row; a lane drafts one more token while that gain beats the pass's current tokens a second times a row's
 cost. The two chances differ: a draft that starts right goes on right (a copy of the prompt, measured:
 its first token kept 0.68 of the time, each later one 0.91-0.98), so one chance for all undervalues the
-tail of a long draft. Then the drafted pass
-must beat a plain pass planned ahead, at its rate, or nothing is drafted: on a GPU a pass planned ahead
-costs a fraction of one planned afresh. So a lane whose drafts fail, or a pass big enough that rows are
+tail of a long draft. Then the drafted pass must beat a plain pass planned ahead, at its rate, or nothing
+is drafted: on a GPU a pass planned ahead costs a fraction of one planned afresh. So a lane whose drafts fail, or a pass big enough that rows are
 dear, drafts nothing. A lane's gains are also weighed by how often its source found a draft when asked:
 a dry ask costs no row, but its pass could not be planned ahead.
 
