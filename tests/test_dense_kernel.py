@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lanes.quant.native import kernels, unavailable_reason
+from lanes.quant.native import available, kernels
 from lanes.quant.weight import FEW_ROWS, DenseWeight, dense_product
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels cannot be built here (neither AVX-512 nor AVX2)")
 
 
 def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

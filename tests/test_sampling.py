@@ -233,6 +233,10 @@ def test_masked_tokens_are_never_drawn():
         assert len(drawn) > 1
 
 
+def close(values: torch.Tensor, reference: torch.Tensor) -> None:
+    torch.testing.assert_close(values, reference, rtol=1e-6, atol=1e-6)
+
+
 def test_logprobs_are_the_raw_log_softmax_and_its_topk():
     rows, state = bound_state(MIXED)
     for i in (0, 3, 5):
@@ -241,9 +245,11 @@ def test_logprobs_are_the_raw_log_softmax_and_its_topk():
     sampled = sample(logits, rows, state)
     reference = torch.log_softmax(logits.float(), dim=-1)
     assert sampled.logprobs.dtype == torch.float32 and sampled.top_ids.dtype == torch.int64
-    assert torch.equal(sampled.logprobs, reference.gather(1, sampled.tokens[:, None]).squeeze(1))
+    # the CPU kernels' exp and order of sums are their own (16 lanes on AVX2 too): torch's values within 1e-6
+    close(sampled.logprobs, reference.gather(1, sampled.tokens[:, None]).squeeze(1))
     values, ids = torch.topk(reference, 11, dim=-1)
-    assert torch.equal(sampled.top_ids, ids) and torch.equal(sampled.top_logprobs, values)
+    assert torch.equal(sampled.top_ids, ids)
+    close(sampled.top_logprobs, values)
     host = on_host(Sampled(*to_host([sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs])), rows)
     assert host.tokens == sampled.tokens.tolist()
     assert host.logprobs == sampled.logprobs.tolist()
@@ -266,9 +272,10 @@ def test_prompt_logprobs_are_the_raw_log_softmax():
     targets = torch.tensor([3, 0, 63, 5, 5, 17, 2])
     chosen, ids, values = prompt_logprobs(logits, targets, 3)
     reference = torch.log_softmax(logits.float(), dim=-1)
-    assert torch.equal(chosen, reference[torch.arange(7), targets])
+    close(chosen, reference[torch.arange(7), targets])
     top_values, top_ids = reference.topk(3, dim=-1)
-    assert torch.equal(ids, top_ids) and torch.equal(values, top_values)
+    assert torch.equal(ids, top_ids)
+    close(values, top_values)
 
 
 def test_penalty_state_is_allocated_at_the_first_bind():

@@ -63,8 +63,8 @@ def test_a_bias_moves_the_greedy_argmax_and_the_seeded_draw_but_not_the_logprobs
     shifted = logits[2:3].clone()
     shifted[0, 7] += 4.0
     assert drawn.tokens[2].item() == sample(shifted, [seeded(SamplingParams(temperature=1.0), seed=6, step=3)]).tokens.item()
-    raw = torch.log_softmax(logits, dim=-1)
-    assert drawn.logprobs.tolist() == [raw[r, t].item() for r, t in enumerate(drawn.tokens.tolist())]
+    raw = torch.log_softmax(logits, dim=-1)  # within 1e-6: the CPU kernels' exp and order of sums are their own
+    torch.testing.assert_close(drawn.logprobs, raw[torch.arange(3), drawn.tokens], rtol=1e-6, atol=1e-6)
     assert not plain_greedy(rows[:1])
 
 

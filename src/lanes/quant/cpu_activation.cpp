@@ -1,4 +1,4 @@
-// The gated MLP's activation on the CPU (AVX-512), registered as `lanes_quant::silu_mul`: silu(gate) * up
+// The gated MLP's activation on the CPU (AVX-512 or AVX2), registered as `lanes_quant::silu_mul`: silu(gate) * up
 // in one pass over gate_up, every value by the same instructions wherever it sits, so a row's result does
 // not depend on the pass's other rows (torch's vector loop leaves a split's or a row's tail to scalar code,
 // which rounds differently).
@@ -27,9 +27,9 @@ at::Tensor silu_mul_op(const at::Tensor& gate_up) {
       const float* gate = xp + t * 2 * width;
       const float* up = gate + width;
       for (int64_t i = 0; i < width; i += 16) {
-        const __mmask16 m = lanes_from(width, i);
-        const __m512 g = load_lanes(m, gate + i), u = load_lanes(m, up + i);
-        store_lanes(op + t * width + i, m, _mm512_mul_ps(silu(g), u));
+        const Mask16 m = lanes_from(width, i);
+        const V16 g = load_lanes(m, gate + i), u = load_lanes(m, up + i);
+        store_lanes(op + t * width + i, m, vmul(silu(g), u));
       }
     }
   });

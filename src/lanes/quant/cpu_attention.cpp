@@ -1,4 +1,4 @@
-// Causal attention over the paged KV cache on the CPU (AVX-512), registered as `lanes_quant::paged_attention`.
+// Causal attention over the paged KV cache on the CPU (AVX-512 or AVX2), registered as `lanes_quant::paged_attention`.
 //
 // Each query row is computed on its own, in an order fixed by its own context alone: a score is one fma
 // chain over the head's dimensions, the softmax sums its keys in order, and the output adds the values in
@@ -19,19 +19,17 @@
 
 namespace {
 
-using lanes_quant::exp_nonpositive;
-using lanes_quant::parallel_for;
+using namespace lanes_quant;
 
-inline __mmask16 head_mask(int64_t d, int64_t i) {  // lanes of dimensions [i, i + 16) inside the head
-  return static_cast<__mmask16>(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+inline Mask16 head_mask(int64_t d, int64_t i) { return lanes_from(d, i); }  // lanes of dimensions [i, i + 16) inside the head
+
+inline V16 head_part(const float* at, int v, Mask16 dims) {  // dimensions [16 v, 16 v + 16) of a head
+  return load_lanes(dims, at + v * 16);
 }
 
-inline __m512 head_part(const float* at, int v, __mmask16 dims) {  // dimensions [16 v, 16 v + 16) of a head
-  return lanes_quant::load_lanes(dims, at + v * 16);
-}
-
+#ifdef __AVX512F__
 // Lane p of the result: the sum of a[p]'s 16 lanes, by a tree whose order depends on p alone.
-inline __m512 sums16(const __m512* a) {
+inline __m512 sums16(const __m512 (&a)[16]) {
   __m512 u[8], w[4], z[2];
   for (int i = 0; i < 8; ++i)
     u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -43,6 +41,13 @@ inline __m512 sums16(const __m512* a) {
     z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
+#else
+inline V16 sums16(const V16 (&a)[16]) {  // lane p: a[p]'s lanes summed by vsum's tree
+  float sums[16];
+  lane_sums_of(a, 16, sums);
+  return vload(sums);
+}
+#endif
 
 // Keys and values [j0, j0 + 16) of a row, for one KV head, fetched into L2 a block ahead of the scores
 // that read them (and the value sums after): the slots hop over other heads' bytes, past the prefetcher.
@@ -66,56 +71,55 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
   const int64_t padded = (len + 15) / 16 * 16;
   p.resize(group * (padded + 1));
   float* totals = p.data() + group * padded;  // each head's sum of weights
-  __mmask16 dims[NV];
+  Mask16 dims[NV];
   for (int v = 0; v < NV; ++v) dims[v] = head_mask(d, v * 16);
-  const __m512 scale16 = _mm512_set1_ps(scale);
+  const V16 scale16 = vset(scale);
   prefetch_keys(ck, cv, slots, 0, len, kv_heads, kv_head, d);
   for (int64_t h = 0; h < group; ++h) {
     float* ph = p.data() + h * padded;
-    __m512 qv[NV];
+    V16 qv[NV];
     for (int v = 0; v < NV; ++v) qv[v] = head_part(q + h * d, v, dims[v]);
-    __m512 top = _mm512_set1_ps(-INFINITY);
+    V16 top = vset(-INFINITY);
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
       if (h == 0) prefetch_keys(ck, cv, slots, j0 + 16, len, kv_heads, kv_head, d);
-      __m512 acc[16];
+      V16 acc[16];
       for (int i = 0; i < 16; ++i) {  // past the last key, the last key again (its weight masked to 0 below)
         const float* kj = ck + (slots[std::min(j0 + i, len - 1)] * kv_heads + kv_head) * d;
-        acc[i] = _mm512_mul_ps(qv[0], head_part(kj, 0, dims[0]));
-        for (int v = 1; v < NV; ++v) acc[i] = _mm512_fmadd_ps(qv[v], head_part(kj, v, dims[v]), acc[i]);
+        acc[i] = vmul(qv[0], head_part(kj, 0, dims[0]));
+        for (int v = 1; v < NV; ++v) acc[i] = vfmadd(qv[v], head_part(kj, v, dims[v]), acc[i]);
       }
-      const __m512 scores = _mm512_mul_ps(sums16(acc), scale16);
-      _mm512_storeu_ps(ph + j0, scores);
-      top = _mm512_mask_max_ps(top, head_mask(len, j0), top, scores);
+      const V16 scores = vmul(sums16(acc), scale16);
+      vstore(ph + j0, scores);
+      top = vselect(head_mask(len, j0), vmax(top, scores), top);
     }
-    const __m512 top16 = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
+    const V16 top16 = vset(vtop(top));
+    V16 sum = vzero();
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(head_mask(len, j0), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(ph + j0), top16)));
-      _mm512_storeu_ps(ph + j0, e);
-      sum = _mm512_add_ps(sum, e);
+      const V16 e = vkeep(head_mask(len, j0), exp_nonpositive(vsub(vload(ph + j0), top16)));
+      vstore(ph + j0, e);
+      sum = vadd(sum, e);
     }
-    totals[h] = _mm512_reduce_add_ps(sum);
+    totals[h] = vsum(sum);
   }
   constexpr int kHeads = NV <= 16 ? 16 / NV : 1;  // heads whose outputs fit in 16 accumulators at once
   for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
     const int64_t heads = std::min<int64_t>(kHeads, group - h0);
-    __m512 acc[kHeads][NV];
+    V16 acc[kHeads][NV];
     for (int h = 0; h < kHeads; ++h)
-      for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
+      for (int v = 0; v < NV; ++v) acc[h][v] = vzero();
     for (int64_t j = 0; j < len; ++j) {
       const float* vj = cv + (slots[j] * kv_heads + kv_head) * d;
-      __m512 values[NV];
+      V16 values[NV];
       for (int v = 0; v < NV; ++v) values[v] = head_part(vj, v, dims[v]);
       for (int h = 0; h < kHeads; ++h) {
         if (h >= heads) break;
-        const __m512 w = _mm512_set1_ps(p[(h0 + h) * padded + j]);
-        for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_fmadd_ps(w, values[v], acc[h][v]);
+        const V16 w = vset(p[(h0 + h) * padded + j]);
+        for (int v = 0; v < NV; ++v) acc[h][v] = vfmadd(w, values[v], acc[h][v]);
       }
     }
     for (int h = 0; h < heads; ++h) {
-      const __m512 inv = _mm512_set1_ps(1.0f / totals[h0 + h]);
-      for (int v = 0; v < NV; ++v)
-        lanes_quant::store_lanes(out + (h0 + h) * d + v * 16, dims[v], _mm512_mul_ps(acc[h][v], inv));
+      const V16 inv = vset(1.0f / totals[h0 + h]);
+      for (int v = 0; v < NV; ++v) store_lanes(out + (h0 + h) * d + v * 16, dims[v], vmul(acc[h][v], inv));
     }
   }
 }
@@ -215,8 +219,8 @@ at::Tensor rope_attention_op(const at::Tensor& qkv, const at::Tensor& cos, const
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * stride;
       const float *ct = cp + t * d, *st = sp + t * d;
-      for (int64_t h = 0; h < heads; ++h) lanes_quant::rotate_head(row + h * d, ct, st, d, qp + (t * heads + h) * d);
-      for (int64_t g = 0; g < hkv; ++g) lanes_quant::rotate_head(row + (heads + g) * d, ct, st, d, kp + (slot[t] * hkv + g) * d);
+      for (int64_t h = 0; h < heads; ++h) rotate_head(row + h * d, ct, st, d, qp + (t * heads + h) * d);
+      for (int64_t g = 0; g < hkv; ++g) rotate_head(row + (heads + g) * d, ct, st, d, kp + (slot[t] * hkv + g) * d);
       std::memcpy(vp + slot[t] * hkv * d, row + (heads + hkv) * d, sizeof(float) * hkv * d);
     }
   });

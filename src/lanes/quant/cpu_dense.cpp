@@ -1,4 +1,4 @@
-// fp32 products with few activation rows (AVX-512), registered as `lanes_quant::mm_f32`: x [T, K] @ w.T.
+// fp32 products with few activation rows (AVX-512 or AVX2), registered as `lanes_quant::mm_f32`: x [T, K] @ w.T.
 //
 // A decode pass multiplies each full-precision weight by a handful of rows (a lane's one, or a drafted
 // lane's 1 + k); the weights are read from memory once for all of them (a block of 4 weight rows stays in
@@ -18,12 +18,15 @@
 
 namespace {
 
-using lanes_quant::lane_of_sum;
-using lanes_quant::lane_sums;
-using lanes_quant::lanes_from;
+using namespace lanes_quant;
 
+#ifdef __AVX512F__
 constexpr int kRows = 4;  // weight rows a block
 constexpr int kTile = 4;  // x rows a tile: 16 accumulators with the block's rows
+#else
+constexpr int kRows = 2;  // AVX2 has 16 vector registers: 4 accumulators of two halves, and the operands
+constexpr int kTile = 2;
+#endif
 constexpr int kAhead = 2;  // blocks from the one computed to the one fetched (1, 2, 4 measured alike)
 
 // A line of each of `rows` rows at column c of the block ahead (none past the last row), toward L2.
@@ -36,34 +39,34 @@ inline void fetch_ahead(const float* ahead, int rows, int64_t K, int64_t c) {
 template <int R, int TT>
 void block(const float* x, const float* w, float* out, int64_t n0, int64_t t0, int64_t N, int64_t K,
            const float* ahead_w, int ahead) {
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  V16 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = vzero();
   const float* wr = w + n0 * K;
   const float* xr = x + t0 * K;
   int64_t c = 0;
   for (; c + 16 <= K; c += 16) {
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_ps(wr + r * K + c);
+    V16 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vload(wr + r * K + c);
     fetch_ahead(ahead_w, ahead, K, c);
     for (int t = 0; t < TT; ++t) {
-      const __m512 xv = _mm512_loadu_ps(xr + t * K + c);
-      for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
+      const V16 xv = vload(xr + t * K + c);
+      for (int r = 0; r < R; ++r) acc[r * TT + t] = vfmadd(wv[r], xv, acc[r * TT + t]);
     }
   }
   if (c < K) {
-    const __mmask16 m = lanes_from(K, c);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(m, wr + r * K + c);
+    const Mask16 m = lanes_from(K, c);
+    V16 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = vload_masked(m, wr + r * K + c);
     fetch_ahead(ahead_w, ahead, K, c);
     for (int t = 0; t < TT; ++t) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, xr + t * K + c);
-      for (int r = 0; r < R; ++r) acc[r * TT + t] = _mm512_fmadd_ps(wv[r], xv, acc[r * TT + t]);
+      const V16 xv = vload_masked(m, xr + t * K + c);
+      for (int r = 0; r < R; ++r) acc[r * TT + t] = vfmadd(wv[r], xv, acc[r * TT + t]);
     }
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, lane_sums(acc));
+  float sums[16];
+  lane_sums_of(acc, R * TT, sums);
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) out[(t0 + t) * N + n0 + r] = sums[lane_of_sum(r * TT + t)];
+    for (int t = 0; t < TT; ++t) out[(t0 + t) * N + n0 + r] = sums[r * TT + t];
 }
 
 // All of x's rows over one block of weight rows, in tiles of at most kTile as even as they come (9: 3, 3, 3):
@@ -74,12 +77,11 @@ void rows_block(const float* x, const float* w, float* out, int64_t n0, int64_t 
   const int64_t tiles = (T + kTile - 1) / kTile;
   for (int64_t i = 0, t0 = 0; i < tiles; ++i) {
     const int64_t rows = (T - t0) / (tiles - i) + ((T - t0) % (tiles - i) != 0);
-    switch (rows) {
-      case 4: block<R, 4>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
-      case 3: block<R, 3>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
-      case 2: block<R, 2>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
-      default: block<R, 1>(x, w, out, n0, t0, N, K, ahead_w, i == 0 ? ahead : 0); break;
-    }
+    const int fetch = i == 0 ? ahead : 0;
+    if (kTile >= 4 && rows == 4) block<R, (kTile >= 4 ? 4 : 1)>(x, w, out, n0, t0, N, K, ahead_w, fetch);
+    else if (kTile >= 3 && rows == 3) block<R, (kTile >= 3 ? 3 : 1)>(x, w, out, n0, t0, N, K, ahead_w, fetch);
+    else if (rows == 2) block<R, 2>(x, w, out, n0, t0, N, K, ahead_w, fetch);
+    else block<R, 1>(x, w, out, n0, t0, N, K, ahead_w, fetch);
     t0 += rows;
   }
 }
@@ -105,12 +107,11 @@ at::Tensor mm_f32_op(const at::Tensor& x, const at::Tensor& w) {
       if (b == begin) lanes_quant::prefetch_rows(reinterpret_cast<const uint8_t*>(wp), row_bytes, n0, kAhead * kRows, N);
       const int ahead = static_cast<int>(std::clamp<int64_t>(N - a0, 0, kRows));
       const float* ahead_w = wp + std::min(a0, N) * K;
-      switch (std::min<int64_t>(kRows, N - n0)) {
-        case 4: rows_block<4>(xp, wp, op, n0, T, N, K, ahead_w, ahead); break;
-        case 3: rows_block<3>(xp, wp, op, n0, T, N, K, ahead_w, ahead); break;
-        case 2: rows_block<2>(xp, wp, op, n0, T, N, K, ahead_w, ahead); break;
-        default: rows_block<1>(xp, wp, op, n0, T, N, K, ahead_w, ahead); break;
-      }
+      const int64_t rows = std::min<int64_t>(kRows, N - n0);
+      if (kRows >= 4 && rows == 4) rows_block<(kRows >= 4 ? 4 : 1)>(xp, wp, op, n0, T, N, K, ahead_w, ahead);
+      else if (kRows >= 3 && rows == 3) rows_block<(kRows >= 3 ? 3 : 1)>(xp, wp, op, n0, T, N, K, ahead_w, ahead);
+      else if (rows == 2) rows_block<2>(xp, wp, op, n0, T, N, K, ahead_w, ahead);
+      else rows_block<1>(xp, wp, op, n0, T, N, K, ahead_w, ahead);
     }
   });
   return out;

@@ -5,46 +5,35 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "cpu_vec.h"
+
 namespace lanes_quant {
 
 // e^x for x <= 0: 2^n * p(r), r = x - n ln2, p of degree 7 (Taylor; its error is 5e-9 of the value).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below this e^x is 0 in fp32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline V16 exp_nonpositive(V16 x) {
+  x = vmax(x, vset(-104.0f));  // below this e^x is 0 in fp32 anyway
+  const V16 n = vround(vmul(x, vset(1.44269504088896341f)));
+  V16 r = vfnmadd(n, vset(0.693145751953125f), x);
+  r = vfnmadd(n, vset(1.428606765330187045e-06f), r);
+  V16 p = vset(1.0f / 5040);
+  p = vfmadd(p, r, vset(1.0f / 720));
+  p = vfmadd(p, r, vset(1.0f / 120));
+  p = vfmadd(p, r, vset(1.0f / 24));
+  p = vfmadd(p, r, vset(1.0f / 6));
+  p = vfmadd(p, r, vset(0.5f));
+  p = vfmadd(p, r, vset(1.0f));
+  p = vfmadd(p, r, vset(1.0f));
+  return vscale2(p, n);
 }
 
 // x * sigmoid(x) as x / (1 + e^-x), and x e^x / (1 + e^x) below 0, so that e^-|x| never overflows.
-inline __m512 silu(__m512 x) {
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 top = _mm512_mask_mul_ps(x, negative, x, e);
-  return _mm512_div_ps(top, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+inline V16 silu(V16 x) {
+  const V16 e = exp_nonpositive(vsub(vzero(), vabs(x)));
+  const V16 top = vselect(vless(x, vzero()), vmul(x, e), x);
+  return vdiv(top, vadd(vset(1.0f), e));
 }
 
-inline __mmask16 lanes_from(int64_t count, int64_t i) {  // lanes of [i, i + 16) below count
-  return static_cast<__mmask16>(count - i >= 16 ? 0xFFFF : (1u << (count - i)) - 1);
-}
-
-// The lanes `m` of 16 floats at p (the rest 0), and their store: plain when all 16 are wanted, since masked
-// loads cost here (attention's scores over a 64-wide head: 23 -> 18 cycles a key and head without them).
-inline __m512 load_lanes(__mmask16 m, const float* p) { return m == 0xFFFF ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); }
-inline void store_lanes(float* p, __mmask16 m, __m512 v) {
-  if (m == 0xFFFF) _mm512_storeu_ps(p, v);
-  else _mm512_mask_storeu_ps(p, m, v);
-}
-
+#ifdef __AVX512F__
 // Lane 4k + j of the result: v[4j + k]'s lanes summed, by the tree _mm512_reduce_add_ps uses (lane i with
 // i + 8, then + 4, + 2, + 1), so each sum has its bits; 45 shuffles and adds for 16 sums instead of 128.
 __attribute__((always_inline)) inline __m512 lane_sums(const __m512 (&v)[16]) {
@@ -60,22 +49,45 @@ __attribute__((always_inline)) inline __m512 lane_sums(const __m512 (&v)[16]) {
 
 inline int lane_of_sum(int i) { return 4 * (i % 4) + i / 4; }  // where lane_sums puts v[i]'s sum
 
-// Products with their rounding spelled out: the compiler may not fuse these into an fma, as it would a
-// plain multiply and add (GCC contracts vector intrinsics by default).
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-inline __m512 mul_rounded(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
+// sums[i]: v[i]'s lanes summed by vsum's tree, for the first `count` of v (the rest may be anything).
+__attribute__((always_inline)) inline void lane_sums_of(const V16 (&v)[16], int count, float* sums) {
+  alignas(64) float placed[16];
+  _mm512_store_ps(placed, lane_sums(v));
+  for (int i = 0; i < count; ++i) sums[i] = placed[lane_of_sum(i)];
+}
+#else
+// The same sums on AVX2: a few by vsum each, 16 by one transposing tree of vsum's order (i + 8, + 4, + 2, + 1).
+__attribute__((always_inline)) inline void lane_sums_of(const V16 (&v)[16], int count, float* sums) {
+  if (count <= 4) {
+    for (int i = 0; i < count; ++i) sums[i] = vsum(v[i]);
+    return;
+  }
+  __m256 s[16], u[8], w[4];
+  for (int i = 0; i < 16; ++i) s[i] = _mm256_add_ps(v[i].hi, v[i].lo);
+  for (int i = 0; i < 8; ++i)  // 128-bit halves: s[2i]'s + 4 in the low one, s[2i+1]'s in the high
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20), _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+  for (int i = 0; i < 4; ++i)  // + 2 within each half
+    w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // v[8k + 2j]'s sum lies in lane j, v[8k + 2j + 1]'s in 4 + j
+  for (int k = 0; k < 2; ++k) {  // + 1
+    const __m256 f = _mm256_add_ps(_mm256_shuffle_ps(w[2 * k], w[2 * k + 1], 0x88), _mm256_shuffle_ps(w[2 * k], w[2 * k + 1], 0xDD));
+    alignas(32) float placed[8];
+    _mm256_store_ps(placed, _mm256_permutevar8x32_ps(f, natural));
+    for (int i = 8 * k; i < count && i < 8 * k + 8; ++i) sums[i] = placed[i - 8 * k];
+  }
+}
+#endif
 
 // One head of `dim` values rotated (RoPE, the half-split form): x * cos + rotate_half(x) * sin with the
 // reference's roundings (a product, a product, a sum: no fma), so the values equal the torch ops' bit for bit.
 inline void rotate_head(const float* v, const float* ct, const float* st, int64_t dim, float* o) {
   const int64_t half = dim / 2;
   for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = lanes_from(half, i);
-    const __m512 a = load_lanes(m, v + i), b = load_lanes(m, v + half + i);
+    const Mask16 m = lanes_from(half, i);
+    const V16 a = load_lanes(m, v + i), b = load_lanes(m, v + half + i);
     // first half: a cos - b sin, as a * cos + (-b) * sin; second half: b cos + a sin
-    const __m512 first = _mm512_add_ps(mul_rounded(a, load_lanes(m, ct + i)),
-                                       mul_rounded(_mm512_sub_ps(_mm512_setzero_ps(), b), load_lanes(m, st + i)));
-    const __m512 second = _mm512_add_ps(mul_rounded(b, load_lanes(m, ct + half + i)), mul_rounded(a, load_lanes(m, st + half + i)));
+    const V16 first = vadd(vmul_rounded(a, load_lanes(m, ct + i)), vmul_rounded(vsub(vzero(), b), load_lanes(m, st + i)));
+    const V16 second = vadd(vmul_rounded(b, load_lanes(m, ct + half + i)), vmul_rounded(a, load_lanes(m, st + half + i)));
     store_lanes(o + i, m, first);
     store_lanes(o + half + i, m, second);
   }

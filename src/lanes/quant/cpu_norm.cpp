@@ -1,4 +1,4 @@
-// RMSNorm on the CPU (AVX-512), registered as `lanes_quant::rms_norm`: x * rsqrt(mean(x^2) + eps) * weight over
+// RMSNorm on the CPU (AVX-512 or AVX2), registered as `lanes_quant::rms_norm`: x * rsqrt(mean(x^2) + eps) * weight over
 // each row's last dimension, in fp32, as the Hugging Face decoders compute it. One op where torch's
 // composite takes eight (pow, mean, add, rsqrt, two muls and their copies: 30 us a call from the pass
 // thread, a tenth of a one-row decode step); a row's sum of squares in one fixed order (16 lanes, then
@@ -29,17 +29,17 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = xp + t * width;
-      __m512 squares = _mm512_setzero_ps();
+      V16 squares = vzero();
       for (int64_t i = 0; i < width; i += 16) {
-        const __m512 v = load_lanes(lanes_from(width, i), row + i);
-        squares = _mm512_fmadd_ps(v, v, squares);
+        const V16 v = load_lanes(lanes_from(width, i), row + i);
+        squares = vfmadd(v, v, squares);
       }
-      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(width) + epsilon);
-      const __m512 s = _mm512_set1_ps(scale);
+      const float scale = 1.0f / std::sqrt(vsum(squares) / static_cast<float>(width) + epsilon);
+      const V16 s = vset(scale);
       for (int64_t i = 0; i < width; i += 16) {
-        const __mmask16 m = lanes_from(width, i);
-        const __m512 v = load_lanes(m, row + i), w = load_lanes(m, wp + i);
-        store_lanes(op + t * width + i, m, _mm512_mul_ps(w, _mm512_mul_ps(v, s)));
+        const Mask16 m = lanes_from(width, i);
+        const V16 v = load_lanes(m, row + i), w = load_lanes(m, wp + i);
+        store_lanes(op + t * width + i, m, vmul(w, vmul(v, s)));
       }
     }
   });

@@ -1,4 +1,4 @@
-// Rotary embedding on the CPU (AVX-512), registered as `lanes_quant::rope`: x * cos + rotate_half(x) * sin
+// Rotary embedding on the CPU (AVX-512 or AVX2), registered as `lanes_quant::rope`: x * cos + rotate_half(x) * sin
 // in one pass, with the reference's roundings (a product, a product, a sum: no fma), so its values equal
 // the torch ops' bit for bit, and every value is computed alike wherever it sits.
 #include <torch/library.h>

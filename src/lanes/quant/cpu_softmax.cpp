@@ -1,4 +1,4 @@
-// Log-softmax over a pass's logits on the CPU (AVX-512), registered as `lanes_quant::log_softmax` (every
+// Log-softmax over a pass's logits on the CPU (AVX-512 or AVX2), registered as `lanes_quant::log_softmax` (every
 // value, for top logprobs) and `lanes_quant::greedy` (each row's argmax and its log-probability only).
 // Both take a row's maximum and its sum of exponentials by the same instructions in the same order, so a
 // greedy pass's logprob has the bits a sampling pass reports for the same token. One op a pass where
@@ -25,35 +25,34 @@ struct RowStats {
 };
 
 RowStats row_stats(const float* x, int64_t V) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i where = _mm512_setzero_si512();
-  const __m512i step = _mm512_set1_epi32(16);
-  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __mmask16 nan = 0;
+  const V16 lowest = vset(-std::numeric_limits<float>::infinity());
+  V16 best = lowest;
+  I16 index = iramp(), where = index;
+  Mask16 nan = 0;
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = lanes_from(V, i);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), m, x + i);
-    nan |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-    const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
-    best = _mm512_mask_mov_ps(best, above, v);
-    where = _mm512_mask_mov_epi32(where, above, index);
-    index = _mm512_add_epi32(index, step);
+    const Mask16 m = lanes_from(V, i);
+    const V16 v = m == 0xFFFF ? vload(x + i) : vselect(m, vload_masked(m, x + i), lowest);
+    nan |= vnan(v);
+    const Mask16 above = vgreater(v, best);  // strictly: a lane keeps its first
+    best = vselect(above, v, best);
+    where = iselect(above, index, where);
+    index = iadd16(index);
   }
   if (nan) {
     for (int64_t i = 0; i < V; ++i)
       if (std::isnan(x[i])) return {x[i], i, x[i]};
   }
   RowStats s{};
-  s.top = _mm512_reduce_max_ps(best);
-  const __mmask16 tops = _mm512_cmp_ps_mask(best, _mm512_set1_ps(s.top), _CMP_EQ_OQ);
-  s.at = _mm512_mask_reduce_min_epi32(tops, where);  // the first position among the lanes holding it
-  const __m512 top = _mm512_set1_ps(s.top);
-  __m512 sum = _mm512_setzero_ps();
+  s.top = vtop(best);
+  const Mask16 tops = vequal(best, vset(s.top));
+  s.at = ileast(tops, where);  // the first position among the lanes holding it
+  const V16 top = vset(s.top);
+  V16 sum = vzero();
   for (int64_t i = 0; i < V; i += 16) {
-    const __mmask16 m = lanes_from(V, i);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(load_lanes(m, x + i), top))));
+    const Mask16 m = lanes_from(V, i);
+    sum = vadd(sum, vkeep(m, exp_nonpositive(vsub(load_lanes(m, x + i), top))));
   }
-  s.lse = std::log(_mm512_reduce_add_ps(sum));
+  s.lse = std::log(vsum(sum));
   return s;
 }
 
@@ -73,11 +72,11 @@ at::Tensor log_softmax_op(const at::Tensor& logits) {
   parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const RowStats s = row_stats(xp + r * V, V);
-      const __m512 top = _mm512_set1_ps(s.top), lse = _mm512_set1_ps(s.lse);
+      const V16 top = vset(s.top), lse = vset(s.lse);
       for (int64_t i = 0; i < V; i += 16) {
-        const __mmask16 m = lanes_from(V, i);
-        const __m512 v = load_lanes(m, xp + r * V + i);
-        store_lanes(op + r * V + i, m, _mm512_sub_ps(_mm512_sub_ps(v, top), lse));
+        const Mask16 m = lanes_from(V, i);
+        const V16 v = load_lanes(m, xp + r * V + i);
+        store_lanes(op + r * V + i, m, vsub(vsub(v, top), lse));
       }
     }
   });
