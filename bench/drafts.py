@@ -1,7 +1,7 @@
 """Speculative drafts on the CPU: decode tokens/s with drafts off and on, in one run, at 1, 8 and 32 streams.
 
     python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--draft-tokens 8]
-                           [--runs 1] [--dequantize]
+                           [--runs 1] [--dequantize] [--workloads input-grounded,open-ended]
 
 Two fixed workloads of 32 chat requests each to the default model, greedy: `input-grounded` (repeat, quote
 or copy a given passage, where the answer repeats its input) and `open-ended` (stories and explanations).
@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=8, help="a lane's most draft tokens a pass")
     parser.add_argument("--runs", type=int, default=1, help="runs of each setting, interleaved; the median is shown")
     parser.add_argument("--dequantize", action="store_true", help="the GGUF blocks read as fp32 tensors")
+    parser.add_argument("--workloads", default="input-grounded,open-ended", help="which of the two to run")
     args = parser.parse_args()
     placement = choose("cpu", "fp32")
     counts = [int(n) for n in args.streams.split(",")]
@@ -150,6 +151,8 @@ def main() -> None:
     encoded = {name: [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
                for name, texts in workloads().items()}
     for name, prompts in encoded.items():
+        if name not in args.workloads.split(","):
+            continue
         other = next(p for w, p in encoded.items() if w != name)
         for n in counts:
             results: dict[str, list] = {"off": [], **{m: [] for m in methods}}

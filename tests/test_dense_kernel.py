@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lanes.quant.native import available, kernels
-from lanes.quant.weight import FEW_ROWS, DenseWeight, dense_product
+from lanes.quant.weight import DenseWeight, dense_product, few_rows
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels cannot be built here (neither AVX-512 nor AVX2)")
 
@@ -23,11 +23,11 @@ def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("n,k", [(1, 16), (4, 33), (7, 576), (130, 1000), (5, 1)])
 def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
-    x, w = operands(FEW_ROWS, n, k)
+    x, w = operands(few_rows(), n, k)
     exact = x.double() @ w.double().T
     # an fma chain of k / 16 steps in each lane, then a tree of 4 adds over the 16 lanes
     bound = (k / 16 + 5) * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
-    for rows in range(1, FEW_ROWS + 1):
+    for rows in range(1, few_rows() + 1):
         out = kernels().mm_f32(x[:rows], w)
         assert out.shape == (rows, n) and out.dtype == torch.float32
         assert ((out.double() - exact[:rows]).abs() <= bound[:rows]).all()
@@ -35,11 +35,11 @@ def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
 
 @pytest.mark.parametrize("n,k", [(9, 576), (64, 1536), (3, 40)])
 def test_a_rows_product_has_the_same_bits_at_any_row_count_and_place(n, k):
-    x, w = operands(FEW_ROWS, n, k, seed=1)
-    alone = torch.cat([kernels().mm_f32(x[i : i + 1], w) for i in range(FEW_ROWS)])
-    for rows in range(1, FEW_ROWS + 1):
+    x, w = operands(few_rows(), n, k, seed=1)
+    alone = torch.cat([kernels().mm_f32(x[i : i + 1], w) for i in range(few_rows())])
+    for rows in range(1, few_rows() + 1):
         assert torch.equal(kernels().mm_f32(x[:rows], w), alone[:rows])
-    order = torch.randperm(FEW_ROWS, generator=torch.Generator().manual_seed(2))
+    order = torch.randperm(few_rows(), generator=torch.Generator().manual_seed(2))
     assert torch.equal(kernels().mm_f32(x[order], w), alone[order])
 
 
@@ -57,9 +57,9 @@ def test_mismatched_shapes_are_refused():
 
 
 def test_few_fp32_rows_take_the_kernel_with_the_bias_added_and_the_rest_take_torch():
-    x, w = operands(FEW_ROWS + 1, 48, 96, seed=3)
+    x, w = operands(few_rows() + 1, 48, 96, seed=3)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(dense_product(x[:FEW_ROWS], w), kernels().mm_f32(x[:FEW_ROWS], w))
+    assert torch.equal(dense_product(x[:few_rows()], w), kernels().mm_f32(x[:few_rows()], w))
     assert torch.equal(dense_product(x[:3], w, bias), kernels().mm_f32(x[:3], w) + bias)
     assert torch.equal(DenseWeight(w).matmul(x[:3]), kernels().mm_f32(x[:3], w))
     assert torch.equal(dense_product(x, w, bias), F.linear(x, w, bias))  # a prompt's many rows

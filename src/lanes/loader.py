@@ -215,7 +215,7 @@ def kernels_for(checkpoint: Checkpoint, placement: Placement, quantize: str | No
 
     if built():
         return unavailable_reason() is None
-    with Progress("building the quantized CPU kernels (once a torch version)", 1, stream=stream, unit="step") as progress:
+    with Progress("building the CPU kernels (once a torch version)", 1, stream=stream, unit="step") as progress:
         reason = unavailable_reason()
         progress.advance()
     if reason is not None and quantize is not None:

@@ -39,6 +39,7 @@ class _Built:
     ops: object | None  # torch.ops.lanes_quant, or None when nothing could be built
     quantized: bool  # the quantized set is among them
     reason: str | None  # why the quantized set is not (None when it is)
+    flavor: str = ""  # "avx512" (with the quantized set), "avx512-fp32" or "avx2"
 
 
 def kernels():
@@ -66,7 +67,7 @@ def _load() -> _Built:
         return _Built(None, False, f"this CPU has neither AVX-512 nor AVX2 (torch sees {capability})")
     quantized = reason is None
     try:
-        return _Built(_build(sources, flags, name, quantized), quantized, reason)
+        return _Built(_build(sources, flags, name, quantized), quantized, reason, name)
     except KernelsUnavailable as error:
         return _Built(None, False, str(error))
 
@@ -101,6 +102,11 @@ def unavailable_reason() -> str | None:
     """None when the quantized kernels load (building them if needed), else why not, in one line."""
     built = _load()
     return None if built.quantized else built.reason
+
+
+def flavor() -> str:
+    """Which build of the kernels runs here: "avx512", "avx512-fp32", "avx2", or "" (none)."""
+    return _load().flavor
 
 
 def available() -> bool:

@@ -14,12 +14,20 @@ import torch.nn.functional as F
 
 from .formats import BlockFormat
 from .int8_layout import from_lanes, to_lanes
-from .native import available, kernels
+from .native import available, flavor, kernels
 
 INTEGER = {"Q8_0", "Q4_0", "Q4_1"}  # multiplied in integers, activations quantized to 8 bits a group of 32
 PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
-FEW_ROWS = 16  # fp32 products of up to this many rows of x run our kernel, which reads the weight once for all
+# fp32 products of up to this many rows of x run our kernel, which reads the weight once for all (measured
+# against torch's F.linear, bench/RESULTS.md: on AVX2 ours wins to 48 rows and, summed over a model, at 64)
+FEW_ROWS = 16
+FEW_ROWS_BY_BUILD = {"avx2": 64}
+
+
+def few_rows() -> int:
+    """The most rows of x an fp32 product gives our kernel on this CPU."""
+    return FEW_ROWS_BY_BUILD.get(flavor(), FEW_ROWS)
 
 
 class Weight(Protocol):
@@ -129,7 +137,7 @@ class DenseWeight:
 def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w.T (+ bias) for a full-precision w: a CPU decode pass's few fp32 rows by our kernel, which
     reads w once for all of them and gives each row the same bits at any row count; the rest by torch."""
-    if (x.dtype == w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= FEW_ROWS and w.device.type == "cpu"
+    if (x.dtype == w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= few_rows() and w.device.type == "cpu"
             and w.is_contiguous() and available()):
         out = kernels().mm_f32(x, w)
         return out if bias is None else out + bias
