@@ -1,7 +1,7 @@
 // fp32 products with few activation rows (AVX-512 or AVX2), registered as `lanes_quant::mm_f32`: x [T, K] @ w.T.
 //
 // A decode pass multiplies each full-precision weight by a handful of rows (a lane's one, or a drafted
-// lane's 1 + k); the weights are read from memory once for all of them (a block of 4 weight rows stays in
+// lane's 1 + k); the weights are read from memory once for all of them (a block of weight rows stays in
 // L1 while every row of x passes over it), so a row past the first adds its arithmetic, not another read
 // (docs/DECISIONS.md, "fp32 products of few rows"). Each (weight row, x row) product is one fma chain over
 // K in order, summed across its 16 lanes by a fixed tree: its bits do not depend on T or on the tile it fell

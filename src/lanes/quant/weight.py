@@ -7,6 +7,7 @@ a type without a kernel, dequantized); `StackedWeight` is fused rows of weights 
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, Sequence
 
 import torch
@@ -25,6 +26,7 @@ FEW_ROWS = 16
 FEW_ROWS_BY_BUILD = {"avx2": 64}
 
 
+@functools.cache
 def few_rows() -> int:
     """The most rows of x an fp32 product gives our kernel on this CPU."""
     return FEW_ROWS_BY_BUILD.get(flavor(), FEW_ROWS)
