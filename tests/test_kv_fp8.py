@@ -26,6 +26,7 @@ from lanes.gpu import fp8
 from lanes.gpu.device import choose
 from lanes.gpu.kv import KV_CACHES, KVShape
 from lanes.loader import load_model
+from lanes.quant import weight
 from lanes.serve import build_service
 from server_helpers import serving
 
@@ -115,7 +116,10 @@ def keys_and_values_rounded(model):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fp8_logits_equal_transformers_with_rounded_keys_and_values(case, tmp_path):
+def test_fp8_logits_equal_transformers_with_rounded_keys_and_values(case, tmp_path, monkeypatch):
+    # an e4m3 step is 1/16: an ulp of another summation order at a rounding edge moves a key a whole step, so
+    # the products keep the routing this reference was checked under (16 rows; AVX2's 64 is tested apart)
+    monkeypatch.setattr(weight, "few_rows", lambda: weight.FEW_ROWS)
     kind, overrides = CASES[case]
     reference = tiny.build(kind, tmp_path, **overrides)
     model = load_model(tmp_path, choose("cpu", "fp32"), kv_blocks=64, quiet=True, kv_cache="fp8")
