@@ -21,8 +21,6 @@ namespace {
 
 using namespace lanes_quant;
 
-inline Mask16 head_mask(int64_t d, int64_t i) { return lanes_from(d, i); }  // lanes of dimensions [i, i + 16) inside the head
-
 inline V16 head_part(const float* at, int v, Mask16 dims) {  // dimensions [16 v, 16 v + 16) of a head
   return load_lanes(dims, at + v * 16);
 }
@@ -72,7 +70,7 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
   p.resize(group * (padded + 1));
   float* totals = p.data() + group * padded;  // each head's sum of weights
   Mask16 dims[NV];
-  for (int v = 0; v < NV; ++v) dims[v] = head_mask(d, v * 16);
+  for (int v = 0; v < NV; ++v) dims[v] = lanes_from(d, v * 16);
   const V16 scale16 = vset(scale);
   prefetch_keys(ck, cv, slots, 0, len, kv_heads, kv_head, d);
   for (int64_t h = 0; h < group; ++h) {
@@ -90,12 +88,12 @@ void attend(const float* q, const float* ck, const float* cv, const int64_t* slo
       }
       const V16 scores = vmul(sums16(acc), scale16);
       vstore(ph + j0, scores);
-      top = vselect(head_mask(len, j0), vmax(top, scores), top);
+      top = vselect(lanes_from(len, j0), vmax(top, scores), top);
     }
     const V16 top16 = vset(vtop(top));
     V16 sum = vzero();
     for (int64_t j0 = 0; j0 < len; j0 += 16) {
-      const V16 e = vkeep(head_mask(len, j0), exp_nonpositive(vsub(vload(ph + j0), top16)));
+      const V16 e = vkeep(lanes_from(len, j0), exp_nonpositive(vsub(vload(ph + j0), top16)));
       vstore(ph + j0, e);
       sum = vadd(sum, e);
     }
