@@ -216,7 +216,7 @@ for path in sys.argv[2:]:
     except MediaRejected as error:
         codes.append(error.code)
 peak = status("VmHWM") - base
-# the raw bomb straight into av, under a limit of 1 GiB more address space: it cannot open
+# the raw bomb straight into av, under a limit of 1 GiB more address space: it cannot open (or is refused)
 limit = status("VmSize") + (1 << 30)
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 import av, io
@@ -244,4 +244,5 @@ def test_bombs_cost_the_decoding_process_nothing(tmp_path):
     peak, raw_result, codes = int(out[0]), out[1], out[2:]
     assert codes == ["video_malformed", "video_malformed", "video_too_long", "decoded", "video_too_large"]
     assert peak < 64 << 20, peak  # the probed bombs: under 64 MiB of peak resident memory, all five
-    assert raw_result == "MemoryError"  # the same trun bomb given to av as it is wants more than 1 GiB
+    # the same trun bomb given to av as it is: some FFmpeg builds want more than 1 GiB for it, others refuse it
+    assert raw_result in ("MemoryError", "InvalidDataError"), raw_result
