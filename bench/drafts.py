@@ -115,6 +115,7 @@ async def decode_rate(core: LaneCore, prompts, warm, at_once: int, new: int) -> 
     core.check_stopped()
     rate = tokens / covered(spans)
     drafts = stats.drafts and stats.drafts.since(before)
+    print(f"    {rate:.1f} tok/s", file=sys.stderr, flush=True)
     if drafts is not None:
         print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces", file=sys.stderr,
               flush=True)

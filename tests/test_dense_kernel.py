@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lanes.quant import weight
 from lanes.quant.native import available, kernels
-from lanes.quant.weight import DenseWeight, dense_product, few_rows
+from lanes.quant.weight import DenseWeight, dense_product, few_rows, few_rows_for
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernels cannot be built here (neither AVX-512 nor AVX2)")
+ROWS = min(few_rows(), 64) if available() else 0  # the row counts the kernel takes here, up to 64 of them
 
 
 def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,11 +25,11 @@ def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("n,k", [(1, 16), (4, 33), (7, 576), (130, 1000), (5, 1)])
 def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
-    x, w = operands(few_rows(), n, k)
+    x, w = operands(ROWS, n, k)
     exact = x.double() @ w.double().T
     # an fma chain of k / 16 steps in each lane, then a tree of 4 adds over the 16 lanes
     bound = (k / 16 + 5) * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
-    for rows in range(1, few_rows() + 1):
+    for rows in range(1, ROWS + 1):
         out = kernels().mm_f32(x[:rows], w)
         assert out.shape == (rows, n) and out.dtype == torch.float32
         assert ((out.double() - exact[:rows]).abs() <= bound[:rows]).all()
@@ -35,11 +37,11 @@ def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
 
 @pytest.mark.parametrize("n,k", [(9, 576), (64, 1536), (3, 40)])
 def test_a_rows_product_has_the_same_bits_at_any_row_count_and_place(n, k):
-    x, w = operands(few_rows(), n, k, seed=1)
-    alone = torch.cat([kernels().mm_f32(x[i : i + 1], w) for i in range(few_rows())])
-    for rows in range(1, few_rows() + 1):
+    x, w = operands(ROWS, n, k, seed=1)
+    alone = torch.cat([kernels().mm_f32(x[i : i + 1], w) for i in range(ROWS)])
+    for rows in range(1, ROWS + 1):
         assert torch.equal(kernels().mm_f32(x[:rows], w), alone[:rows])
-    order = torch.randperm(few_rows(), generator=torch.Generator().manual_seed(2))
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2))
     assert torch.equal(kernels().mm_f32(x[order], w), alone[order])
 
 
@@ -56,10 +58,18 @@ def test_mismatched_shapes_are_refused():
         kernels().mm_f32(x.double(), w)
 
 
-def test_few_fp32_rows_take_the_kernel_with_the_bias_added_and_the_rest_take_torch():
-    x, w = operands(few_rows() + 1, 48, 96, seed=3)
+def test_the_kernel_takes_fp32_products_up_to_the_rows_measured_for_the_cpu():
+    assert [few_rows_for("avx512", "GenuineIntel"), few_rows_for("avx2", "AuthenticAMD"),
+            few_rows_for("avx2", "GenuineIntel")] == [16, 64, 64]
+    assert few_rows_for("avx512", "AuthenticAMD") == few_rows_for("avx512-fp32", "AuthenticAMD") == weight.EVERY_ROW
+    assert few_rows_for("avx512", "") == 16  # an unknown maker: the threshold measured against a working MKL
+
+
+def test_few_fp32_rows_take_the_kernel_with_the_bias_added_and_the_rest_take_torch(monkeypatch):
+    monkeypatch.setattr(weight, "few_rows", lambda: 16)
+    x, w = operands(16 + 1, 48, 96, seed=3)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(dense_product(x[:few_rows()], w), kernels().mm_f32(x[:few_rows()], w))
+    assert torch.equal(dense_product(x[:16], w), kernels().mm_f32(x[:16], w))
     assert torch.equal(dense_product(x[:3], w, bias), kernels().mm_f32(x[:3], w) + bias)
     assert torch.equal(DenseWeight(w).matmul(x[:3]), kernels().mm_f32(x[:3], w))
     assert torch.equal(dense_product(x, w, bias), F.linear(x, w, bias))  # a prompt's many rows

@@ -109,6 +109,16 @@ def flavor() -> str:
     return _load().flavor
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), or "" where it does not."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def available() -> bool:
     """Whether the fp32 kernels run here (built the first time asked): the CPU path's parts ask it before each op."""
     return _load().ops is not None

@@ -8,6 +8,7 @@ a type without a kernel, dequantized); `StackedWeight` is fused rows of weights 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Protocol, Sequence
 
 import torch
@@ -15,21 +16,31 @@ import torch.nn.functional as F
 
 from .formats import BlockFormat
 from .int8_layout import from_lanes, to_lanes
-from .native import available, flavor, kernels
+from .native import available, cpu_vendor, flavor, kernels
 
 INTEGER = {"Q8_0", "Q4_0", "Q4_1"}  # multiplied in integers, activations quantized to 8 bits a group of 32
 PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS win (bench/quant_kernels.py)
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
-# fp32 products of up to this many rows of x run our kernel, which reads the weight once for all (measured
-# against torch's F.linear, bench/RESULTS.md: on AVX2 ours wins to 48 rows and, summed over a model, at 64)
+# fp32 products of up to this many rows of x run our kernel, which reads the weight once for all; the rest
+# torch's F.linear (MKL). Measured against it (bench/RESULTS.md): on Intel's AVX-512 ours wins to 16 rows, on
+# AVX2 (a Zen 3) to 48 and, summed over a model, at 64; on AMD's AVX-512 (a Zen 4) MKL runs no AVX-512 code
+# and ours wins at every count tried, 1 to 512, so every product there is ours (and every row's bits its own).
 FEW_ROWS = 16
-FEW_ROWS_BY_BUILD = {"avx2": 64}
+FEW_ROWS_AVX2 = 64
+EVERY_ROW = sys.maxsize
+
+
+def few_rows_for(build: str, vendor: str) -> int:
+    """The most rows of x an fp32 product gives our kernel, for a kernel build (`native.flavor`) and CPU maker."""
+    if build == "avx2":
+        return FEW_ROWS_AVX2
+    return EVERY_ROW if vendor == "AuthenticAMD" else FEW_ROWS
 
 
 @functools.cache
 def few_rows() -> int:
     """The most rows of x an fp32 product gives our kernel on this CPU."""
-    return FEW_ROWS_BY_BUILD.get(flavor(), FEW_ROWS)
+    return few_rows_for(flavor(), cpu_vendor())
 
 
 class Weight(Protocol):
@@ -137,8 +148,9 @@ class DenseWeight:
 
 
 def dense_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w.T (+ bias) for a full-precision w: a CPU decode pass's few fp32 rows by our kernel, which
-    reads w once for all of them and gives each row the same bits at any row count; the rest by torch."""
+    """x [T, in] @ w.T (+ bias) for a full-precision w: up to `few_rows()` fp32 rows on the CPU (a decode pass's
+    few; on AMD's AVX-512 any number) by our kernel, which reads w once for all of them and gives each row the
+    same bits at any row count; the rest by torch."""
     if (x.dtype == w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= few_rows() and w.device.type == "cpu"
             and w.is_contiguous() and available()):
         out = kernels().mm_f32(x, w)
