@@ -23,8 +23,8 @@ PANEL_ROWS = 32  # from this many rows of x on, panels decoded to fp32 and BLAS 
 PANEL = 256  # weight rows decoded a panel at most: 256 x 1536 fp32 is 1.5 MiB, inside one core's 2 MiB L2
 # fp32 products of up to this many rows of x run our kernel, which reads the weight once for all; the rest
 # torch's F.linear (MKL). Measured against it (bench/RESULTS.md): on Intel's AVX-512 ours wins to 16 rows, on
-# AVX2 (a Zen 3) to 48 and, summed over a model, at 64; on AMD's AVX-512 (a Zen 4) MKL runs no AVX-512 code
-# and ours wins at every count tried, 1 to 512, so every product there is ours (and every row's bits its own).
+# AVX2 (a Zen 3) to 48 and, summed over a model, at 64; on AMD's AVX-512 (a Zen 4) MKL runs no AVX-512 code,
+# ours wins to 512 rows and is even at 1024-2048, so every product there is ours (a row's bits its own).
 FEW_ROWS = 16
 FEW_ROWS_AVX2 = 64
 EVERY_ROW = sys.maxsize
