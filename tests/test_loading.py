@@ -199,3 +199,19 @@ def test_weights_reach_the_device_one_tensor_at_a_time_in_the_target_dtype(form,
     load_decoder(checkpoint.config, ReadsEverythingFirst(eager), checkpoint.path, shard=Shard(),
                  device=torch.device("cpu"), dtype=torch.bfloat16)
     assert max(eager.alive_at_get) == len(list(checkpoint.source.names())) - 1
+
+
+def test_a_full_precision_checkpoint_on_the_cpu_builds_the_kernels_at_load_not_in_a_first_request(tmp_path, monkeypatch):
+    import io
+
+    import lanes.quant.native
+
+    builds = []  # every CPU pass runs the fp32 kernels: built before the server listens, with its progress step
+    monkeypatch.setattr(lanes.quant.native, "built", lambda: bool(builds))
+    monkeypatch.setattr(lanes.quant.native, "unavailable_reason", lambda: builds.append(1))
+    tiny.build("llama", tmp_path, hidden_size=64, intermediate_size=128)
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    model = load_model(tmp_path, choose("cpu", "fp32"), kv_blocks=16)
+    assert builds and "building the CPU kernels (once a torch version)" in stream.getvalue()
+    assert "in fp32" in stream.getvalue() and model.weights_census().tensors.keys() == {"F32"}

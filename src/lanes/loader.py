@@ -200,8 +200,9 @@ class QuantizeRefused(ValueError):
 
 
 def kernels_for(checkpoint: Checkpoint, placement: Placement, quantize: str | None, stream) -> bool:
-    """Whether weights are kept quantized in this load: the CPU kernels built (a progress step; the first
-    time about a minute, then loaded from `$LANES_HOME/kernels`) when a GGUF file or `quantize` needs them."""
+    """Whether weights are kept quantized in this load. On the CPU the kernels are built first (a progress
+    step; the first time about a minute, then loaded from `$LANES_HOME/kernels`): every CPU pass runs their
+    fp32 set, so a first request never waits on a build, and a GGUF file or `quantize` needs the quantized set."""
     if quantize is not None:
         if quantize not in SCHEMES:
             raise QuantizeRefused(f"--quantize takes {' or '.join(SCHEMES)}, not {quantize!r}")
@@ -209,15 +210,17 @@ def kernels_for(checkpoint: Checkpoint, placement: Placement, quantize: str | No
             raise QuantizeRefused("--quantize is for full-precision checkpoints; a GGUF file's weights keep their own types")
         if placement.device.type != "cpu":
             raise QuantizeRefused("--quantize runs on the CPU only in this version of lanes")
-    elif checkpoint.gguf is None or placement.device.type != "cpu":
+    if placement.device.type != "cpu":
         return False
     from .quant.native import built, unavailable_reason
 
-    if built():
-        return unavailable_reason() is None
-    with Progress("building the CPU kernels (once a torch version)", 1, stream=stream, unit="step") as progress:
-        reason = unavailable_reason()
-        progress.advance()
+    if not built():
+        with Progress("building the CPU kernels (once a torch version)", 1, stream=stream, unit="step") as progress:
+            unavailable_reason()
+            progress.advance()
+    reason = unavailable_reason()
+    if quantize is None and checkpoint.gguf is None:
+        return False  # full precision: nothing to keep quantized
     if reason is not None and quantize is not None:
         raise QuantizeRefused(f"--quantize needs the quantized CPU kernels: {reason}")
     if reason is not None:
