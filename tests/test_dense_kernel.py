@@ -23,14 +23,15 @@ def operands(rows: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, to
     return torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
 
 
+@pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("n,k", [(1, 16), (4, 33), (7, 576), (130, 1000), (5, 1)])
-def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k):
+def test_each_row_count_is_within_fp32_summation_of_the_float64_product(n, k, spread):
     x, w = operands(ROWS, n, k)
     exact = x.double() @ w.double().T
     # an fma chain of k / 16 steps in each lane, then a tree of 4 adds over the 16 lanes
     bound = (k / 16 + 5) * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
     for rows in range(1, ROWS + 1):
-        out = kernels().mm_f32(x[:rows], w)
+        out = kernels().mm_f32(x[:rows], w, spread)
         assert out.shape == (rows, n) and out.dtype == torch.float32
         assert ((out.double() - exact[:rows]).abs() <= bound[:rows]).all()
 
@@ -43,6 +44,14 @@ def test_a_rows_product_has_the_same_bits_at_any_row_count_and_place(n, k):
         assert torch.equal(kernels().mm_f32(x[:rows], w), alone[:rows])
     order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(2))
     assert torch.equal(kernels().mm_f32(x[order], w), alone[order])
+
+
+@pytest.mark.parametrize("n,k", [(9, 576), (130, 1536), (3, 40)])
+def test_where_the_weights_are_fetched_from_changes_no_bit(n, k):
+    """The two fetch schedules (`spread_fetch_for`) prefetch and nothing else."""
+    x, w = operands(ROWS, n, k, seed=3)
+    for rows in range(1, ROWS + 1):
+        assert torch.equal(kernels().mm_f32(x[:rows], w, True), kernels().mm_f32(x[:rows], w, False))
 
 
 def test_no_rows_give_an_empty_product():
@@ -63,6 +72,9 @@ def test_the_kernel_takes_fp32_products_up_to_the_rows_measured_for_the_cpu():
             few_rows_for("avx2", "GenuineIntel")] == [16, 64, 64]
     assert few_rows_for("avx512", "AuthenticAMD") == few_rows_for("avx512-fp32", "AuthenticAMD") == weight.EVERY_ROW
     assert few_rows_for("avx512", "") == 16  # an unknown maker: the threshold measured against a working MKL
+    # the fetch over every x tile where it was measured faster: AMD's AVX-512 alone
+    assert [weight.spread_fetch_for(b, v) for b in ("avx512", "avx512-fp32", "avx2") for v in ("AuthenticAMD", "GenuineIntel", "")] \
+        == [True, False, False, True, False, False, False, False, False]
 
 
 def test_few_fp32_rows_take_the_kernel_with_the_bias_added_and_the_rest_take_torch(monkeypatch):

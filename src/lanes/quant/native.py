@@ -126,7 +126,7 @@ def available() -> bool:
 
 def _register_fakes(quantized: bool) -> None:
     @torch.library.register_fake("lanes_quant::mm_f32")
-    def _(x, w):
+    def _(x, w, spread=False):
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("lanes_quant::paged_attention")
