@@ -1,6 +1,6 @@
 """Speculative drafts on the CPU: decode tokens/s with drafts off and on, in one run, at 1, 8 and 32 streams.
 
-    python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--draft-tokens 8]
+    python bench/drafts.py [--model M] [--streams 1,8,32] [--new 128] [--methods ngram,suffix] [--draft-tokens 16]
                            [--runs 1] [--dequantize] [--workloads input-grounded,open-ended]
 
 Two fixed workloads of 32 chat requests each to the default model, greedy: `input-grounded` (repeat, quote
@@ -8,7 +8,9 @@ or copy a given passage, where the answer repeats its input) and `open-ended` (s
 At N streams all 32 requests run, N at a time (at 1 stream one after another), so every row does the same
 work. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
 decoding (the union of the streams' first-to-last-token spans: at 1 stream the next request's prompt pass is
-not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft` runs them.
+not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft ngram
+--draft-tokens 16` runs them (on a 2-core CPU, the default model's fp32 products of 9 rows cost about 1.3x one
+row's, of 16 rows about 1.75x: load control drafts that long only while it pays).
 Each run's lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
 server that has been up a while has: its load control has timed its passes, its suffix index holds outputs.
 Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens
@@ -70,7 +72,7 @@ def workloads() -> dict[str, list[str]]:
 
 
 async def run(model, placement, prompts: list[list[int]], warm: list[list[int]], at_once: int, new: int, drafts,
-              most: int = 8) -> tuple[float, DraftStats | None]:
+              most: int = 16) -> tuple[float, DraftStats | None]:
     """Decode tokens/s over `prompts`, `at_once` at a time, after `warm` (untimed); and the drafts' statistics
     when drafting."""
     backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
@@ -138,7 +140,7 @@ def main() -> None:
     parser.add_argument("--streams", default="1,8,32")
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--methods", default="ngram,suffix")
-    parser.add_argument("--draft-tokens", type=int, default=8, help="a lane's most draft tokens a pass")
+    parser.add_argument("--draft-tokens", type=int, default=16, help="a lane's most draft tokens a pass")
     parser.add_argument("--runs", type=int, default=1, help="runs of each setting, interleaved; the median is shown")
     parser.add_argument("--dequantize", action="store_true", help="the GGUF blocks read as fp32 tensors")
     parser.add_argument("--workloads", default="input-grounded,open-ended", help="which of the two to run")

@@ -125,8 +125,10 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert drafting.fresh.per_row == pytest.approx(0.0005, rel=1e-6) and drafting.fresh.fixed == pytest.approx(0.0995, rel=1e-6)
     cheap = drafting._choose(jobs)
     assert set(cheap.values()) == {6}  # acceptance 0.6 a token: every draft token pays for its row
+    for job in jobs[1:]:
+        drafting.observe(job, 6, 6)  # the other lanes' first drafts are kept whole
     for _ in range(30):
-        drafting.observe(jobs[0], 6, 0)  # the first lane's drafts all fail: its rate decays to 0.6 x 0.8^30
+        drafting.observe(jobs[0], 6, 0)  # the first lane's drafts all fail: its rate decays by 0.8^30
     assert drafting._choose(jobs)[0] == 0 and drafting._choose(jobs)[1] == 6
     dear = Drafting(Source(), most=6)
     for rows, seconds in [(1, 0.010), (8, 0.045), (64, 0.325)]:  # a row costs 5 ms over 5 ms fixed
@@ -135,7 +137,12 @@ def test_load_control_drafts_while_a_row_pays_and_nothing_when_rows_are_dear_or_
     assert sum(dear._choose(crowd).values()) < sum(dear._choose(jobs).values()) // 4 + 8  # a big pass drafts little
     assert set(dear._choose(crowd).values()) == {0}
     drafting.ended(jobs[0])
-    assert drafting._choose(jobs)[0] == 6  # a new stream starts from the prior
+    # a new stream starts from every stream's drafts lately: 30 failures after 3 kept
+    assert drafting._choose(jobs)[0] == 0
+    for _ in range(30):
+        for job in jobs[1:]:
+            drafting.observe(job, 6, 6)
+    assert drafting._choose([Stream(9, (1,))]) == {9: 6}
 
 
 def test_load_control_rates_a_first_draft_token_and_each_later_one_given_the_ones_before_it_were_kept():
@@ -211,11 +218,13 @@ def test_load_control_drafts_only_what_beats_a_plain_pass_planned_ahead():
     for rows, seconds in [(4, 0.0030), (8, 0.0031), (16, 0.0033)]:  # fresh: 3 ms, 25 us a row more
         drafting.passed(rows, seconds)
     for _ in range(20):
-        drafting.observe(jobs[0], 4, 4)  # lane 0's drafts are all kept, the others' at the prior's 0.6
-    assert drafting._choose(jobs) == {0: 4, 1: 4, 2: 4, 3: 4}  # against fresh passes alone every token pays
+        drafting.observe(jobs[0], 4, 4)  # lane 0's drafts are all kept
+        for job in jobs[1:]:
+            drafting.observe(job, 4, 1)  # the others' first token is kept, the second never
+    assert drafting._choose(jobs) == {0: 4, 1: 1, 2: 1, 3: 1}  # against fresh passes alone these tokens pay
     for _ in range(3):
         drafting.passed(4, 0.0010, ahead=True)  # a plain pass planned ahead: 1 ms
-    # drafted: 4 + 4 (lane 0) + 3 x 1.30 (0.6 + 0.36 + 0.216 + 0.13) tokens in 3.5 ms = 3.4 a ms, plain 4 a ms
+    # drafted: 4 + 4 (lane 0) + 3 x 1 tokens in 2.9 + 11 x 0.025 ms = 3.5 a ms, plain 4 a ms
     assert drafting._choose(jobs) == {0: 0, 1: 0, 2: 0, 3: 0}
     assert drafting.would_draft(jobs) is False
     for _ in range(3):
@@ -223,7 +232,7 @@ def test_load_control_drafts_only_what_beats_a_plain_pass_planned_ahead():
     assert drafting.would_draft(jobs) is True
     chosen = dict(drafting._ready)
     trio.run(lambda: drafting.begin(jobs))
-    assert drafting.plan(jobs) == chosen == {0: 4, 1: 4, 2: 4, 3: 4}  # the fresh plan drafts what was decided
+    assert drafting.plan(jobs) == chosen == {0: 4, 1: 1, 2: 1, 3: 1}  # the fresh plan drafts what was decided
 
 
 def test_load_control_that_always_drafts_times_a_plain_pass_ahead_every_explore_decisions():
@@ -315,10 +324,18 @@ def test_a_lane_that_does_not_draft_learns_its_rate_from_its_would_be_drafts():
         dry.generated += [7, 7, 7, 7]
     drafting._score(jobs)
     drafts = (1 - 0.8 ** 12) / 0.2  # the decayed count of 12 drafts
-    first = (0.8 ** 12 * 1.2 + drafts) / (0.8 ** 12 * 2 + drafts)  # each lane's first token kept every time
+    first = (0.8 ** 12 * 1.2 + drafts) / (0.8 ** 12 * 2 + drafts)  # lane 0's first token kept every time
     assert drafting._rates(0) == pytest.approx((first, (0.8 ** 12 * 1.2 + 3 * drafts) / (0.8 ** 12 * 2 + 3 * drafts)))
-    assert drafting._rates(1) == pytest.approx((first, 0.8 ** 12 * 1.2 / (0.8 ** 12 * 2 + drafts)))  # its second failed
-    assert drafting._rates(2) == pytest.approx((0.6, 0.6)) and drafting._found[2][0] == pytest.approx(0.8 ** 12)
+    # lane 1's record started from every stream's after lane 0's first draft (1 of 1 first, 3 of 3 later kept)
+    start = (2 * (0.95 * 1.2 + 1) / (0.95 * 2 + 1), 2 * (0.95 * 1.2 + 3) / (0.95 * 2 + 3))
+    assert drafting._rates(1) == pytest.approx(((0.8 ** 12 * start[0] + drafts) / (0.8 ** 12 * 2 + drafts),
+                                                0.8 ** 12 * start[1] / (0.8 ** 12 * 2 + drafts)))  # its second failed
+    shared = (1.2, 2.0, 1.2, 2.0)  # a lane yet to draft takes every stream's record: lanes 0 and 1 in turn
+    for _ in range(12):
+        for outcome in ((1, 1, 3, 3), (1, 1, 0, 1)):
+            shared = tuple(0.95 * value + new for value, new in zip(shared, outcome))
+    assert drafting._rates(2) == pytest.approx((shared[0] / shared[1], shared[2] / shared[3]))
+    assert drafting._found[2][0] == pytest.approx(0.8 ** 12)
     assert drafting.statistics().pieces == 0  # nothing was drafted
 
 

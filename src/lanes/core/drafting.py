@@ -10,7 +10,9 @@ given the ones before it were, gains a b^k expected tokens from its (k+1)-th dra
 row; a lane drafts one more token while that gain beats the pass's current tokens a second times a row's
 cost. The two chances differ: a draft that starts right goes on right (a copy of the prompt, measured:
 its first token kept 0.68 of the time, each later one 0.91-0.98), so one chance for all undervalues the
-tail of a long draft. Then the drafted pass must beat a plain pass planned ahead, at its rate, or nothing
+tail of a long draft. A stream's record starts as every stream's lately (each draft's fate, decayed over
+some twenty), not a fixed prior: the first drafts of a copy are long where copies are what is asked for.
+Then the drafted pass must beat a plain pass planned ahead, at its rate, or nothing
 is drafted: on a GPU a pass planned ahead costs a fraction of one planned afresh. So a lane whose drafts fail, or a pass big enough that rows are
 dear, drafts nothing. A lane's gains are also weighed by how often its source found a draft when asked:
 a dry ask costs no row, but its pass could not be planned ahead.
@@ -33,10 +35,11 @@ from typing import Protocol
 
 from .job import Job
 
-PRIOR = 0.6  # the acceptance a stream's first drafts are planned with
-PRIOR_TRIALS = 2.0  # the prior's weight in draft tokens tried, decayed like a stream's own
-RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS) * 2  # a stream's first record: (kept, tried) first tokens, later ones
+PRIOR = 0.6  # the acceptance the first streams' first drafts are planned with
+PRIOR_TRIALS = 2.0  # a prior's weight in draft tokens tried, decayed like a stream's own
+RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS) * 2  # the first shared record: (kept, tried) first tokens, later ones
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
+SHARED_DECAY = 0.95  # the weight of past drafts, every stream's, in the record a new stream starts from
 FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
 COST_DECAY = 0.95  # the weight of past passes in the cost model
 EXPLORE = 256  # a decision drafts nothing, so plain passes are planned ahead and timed, once this many lack one
@@ -136,6 +139,7 @@ class Drafting:
         self.source, self.most = source, most
         self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
         self._record: dict[int, tuple[float, float, float, float]] = {}  # job id -> first, later draft tokens kept and tried, decayed
+        self._shared = RECORD_PRIOR  # every stream's drafts alike, decayed: a stream's record until it has its own
         self._found: dict[int, tuple[float, float]] = {}  # job id -> times its source found a draft and was asked
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._ready: dict[int, int] | None = None  # lengths `would_draft` chose, for the fresh plan it asked for
@@ -276,10 +280,18 @@ class Drafting:
     def _learn(self, job_id: int, drafted: int, accepted: int) -> None:
         # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were),
         # its first and, when that was kept, min(k, j + 1) - 1 later ones
-        kept, tried, kept_later, tried_later = self._record.get(job_id, RECORD_PRIOR)
-        later = min(drafted, accepted + 1) - 1 if accepted else 0
-        self._record[job_id] = (DECAY * kept + (accepted > 0), DECAY * tried + 1,
-                                DECAY * kept_later + max(accepted - 1, 0), DECAY * tried_later + later)
+        outcome = (accepted > 0, 1, max(accepted - 1, 0), min(drafted, accepted + 1) - 1 if accepted else 0)
+        self._record[job_id] = _decayed(self._stream_record(job_id), DECAY, outcome)
+        self._shared = _decayed(self._shared, SHARED_DECAY, outcome)
+
+    def _stream_record(self, job_id: int) -> tuple[float, float, float, float]:
+        """The stream's decayed record; before its first draft's fate is known, the shared record's two rates
+        at PRIOR_TRIALS' weight: a workload of copies starts its streams drafting long, one of prose short."""
+        record = self._record.get(job_id)
+        if record is None:
+            kept, tried, kept_later, tried_later = self._shared
+            record = (kept / tried * PRIOR_TRIALS, PRIOR_TRIALS, kept_later / tried_later * PRIOR_TRIALS, PRIOR_TRIALS)
+        return record
 
     def _score(self, jobs) -> None:
         """Would-be drafts against the tokens their lanes drew since: each one whose fate is known (a token
@@ -309,8 +321,8 @@ class Drafting:
 
     def _rates(self, job_id: int) -> tuple[float, float]:
         """A first draft token's chance of being kept, and a later one's given the ones before it were: the
-        stream's decayed record, which starts as the prior's."""
-        kept, tried, kept_later, tried_later = self._record.get(job_id, RECORD_PRIOR)
+        stream's decayed record, which starts as every stream's (`_stream_record`)."""
+        kept, tried, kept_later, tried_later = self._stream_record(job_id)
         return kept / tried, kept_later / tried_later
 
     def _first_gain(self, job_id: int, drafts: Mapping[int, tuple[int, ...]] | None = None) -> float:
@@ -329,3 +341,8 @@ class Drafting:
 
     def statistics(self) -> DraftStats:
         return DraftStats(self.drafted, self.accepted, self.pieces, self.times[False], self.times[True])
+
+
+def _decayed(record: tuple[float, float, float, float], decay: float, outcome: tuple) -> tuple[float, float, float, float]:
+    """A (kept, tried, kept later, tried later) record with one draft's outcome added after decaying the rest."""
+    return tuple(decay * value + new for value, new in zip(record, outcome))  # type: ignore[return-value]
