@@ -19,7 +19,8 @@ build are left out with the reason):
   ours-<T>-int8   lanes.quant: Q4_1 / Q8_0 read in place, activations rounded to 8 bits a group of 32,
                   integer dot products (AVX-512 VNNI), any number of rows
   ours-Q4_K/Q6_K  lanes.quant's few-rows path on the K-quants of Q4_K_M files (random blocks), fp32
-  ours-f32        lanes.quant's fp32 product of few rows (`mm_f32`, up to 16: the weight read once for all)
+  ours-f32        lanes.quant's fp32 product of few rows (`mm_f32`: the weight read once for all, fetched
+                  ahead as this CPU's schedule does, `weight.spread_fetch`)
 A contender over 20x fp32's time at some row count is not run at larger ones. Timing: after a warm-up,
 rounds in which every contender runs in turn (interleaved), each a batch of calls of at least `--batch-ms`; the
 figure is the median over rounds of the time a call (the best round beside it: on a shared machine, the
@@ -148,6 +149,7 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
         add("ind-q8", ind8)
     from lanes.quant import QuantWeight, block_format
     from lanes.quant.native import kernels
+    from lanes.quant.weight import spread_fetch
 
     ops = kernels()
     for label, raw, kind in (("Q4_1", raw4, 3), ("Q8_0", raw8, 8)):
@@ -165,7 +167,8 @@ def build(name: str, n: int, k: int, copies: int, raw4: np.ndarray, raw8: np.nda
 
     def few_rows():
         w = dense.clone()
-        return (lambda x: ops.mm_f32(x, w)), w.nbytes
+        spread = spread_fetch()  # this CPU's fetch schedule, as the model's products run it
+        return (lambda x: ops.mm_f32(x, w, spread)), w.nbytes
 
     add("ours-f32", few_rows)
     return out
