@@ -8,9 +8,9 @@ or copy a given passage, where the answer repeats its input) and `open-ended` (s
 At N streams all 32 requests run, N at a time (at 1 stream one after another), so every row does the same
 work. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
 decoding (the union of the streams' first-to-last-token spans: at 1 stream the next request's prompt pass is
-not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft ngram
---draft-tokens 16` runs them (on a 2-core CPU, the default model's fp32 products of 9 rows cost about 1.3x one
-row's, of 16 rows about 1.75x: load control drafts that long only while it pays).
+not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft ngram` runs
+them on the CPU, up to 16 tokens a lane (on a 2-core CPU, the default model's fp32 products of 9 rows cost
+about 1.3x one row's, of 16 rows about 1.75x: load control drafts that long only while it pays).
 Each run's lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
 server that has been up a while has: its load control has timed its passes, its suffix index holds outputs.
 Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens

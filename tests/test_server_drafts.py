@@ -62,11 +62,20 @@ async def test_a_drafting_server_answers_as_one_without_drafts_and_counts_its_dr
         assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
         assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=1e-5)
     drafts = info["drafts"]
-    assert drafts["method"] == method and drafts["accepted"] > 0 and drafts["pieces"] > 0
+    assert drafts["method"] == method and drafts["most_tokens"] == 6 and drafts["accepted"] > 0 and drafts["pieces"] > 0
     assert drafts["mean_accepted_length"] == pytest.approx(drafts["accepted"] / drafts["pieces"])
     name = f'{{model_name="{folder.name}"}}'
     assert re.search(rf"^lanes_draft_accepted_tokens_total{re.escape(name)} {drafts['accepted']}\.0$", metrics, re.M)
     assert re.search(rf"^lanes_draft_tokens_total{re.escape(name)} {drafts['drafted']}\.0$", metrics, re.M)
+
+
+async def test_a_cpu_server_drafts_up_to_16_tokens_a_lane_unless_told_otherwise(folder):
+    base = ["--model", str(folder), "--device", "cpu", "--lanes", "2", "--max-model-len", "256", "--draft", "ngram"]
+    body = [dict(prompt="the cat sat", max_tokens=4, temperature=0)]
+    _, _, info = await answers(build_service(flags(*base)), body)
+    assert info["drafts"]["most_tokens"] == 16
+    _, _, info = await answers(build_service(flags(*base, "--draft-tokens", "3")), body)
+    assert info["drafts"]["most_tokens"] == 3
 
 
 @pytest.mark.parametrize("more, words", [

@@ -70,6 +70,7 @@ class Service:
     label_tokens: dict | str | None = None  # found at the first decision: each label set's tokens, or why not
     pass_times: Callable[[], PassTimes] | None = None  # the backend's pass times (a MeteredBackend's), for /metrics
     draft_method: str | None = None  # --draft's method (ngram, suffix) or "model"; None: no drafts
+    draft_tokens: int = 0  # a lane's most draft tokens a pass (--draft-tokens, or this device's default)
     grammars: GrammarEngine | None = None  # constrained decoding (response_format, tool choices); None refuses it
     kv_cache: dict | None = None  # the KV cache's dtype and bytes (`KVCache.describe`); None: no device cache (the fake)
     weights: dict | None = None  # the weights' types (counts and bytes by type) and resident bytes, rank 0's shard
@@ -154,8 +155,8 @@ class Service:
     def _drafts_info(self, d) -> dict | None:
         if d is None:
             return None
-        return {"method": self.draft_method, "drafted": d.drafted, "accepted": d.accepted, "pieces": d.pieces,
-                "mean_accepted_length": d.mean_accepted}
+        return {"method": self.draft_method, "most_tokens": self.draft_tokens, "drafted": d.drafted,
+                "accepted": d.accepted, "pieces": d.pieces, "mean_accepted_length": d.mean_accepted}
 
     @staticmethod
     def _cache_info(c) -> dict | None:

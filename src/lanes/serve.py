@@ -52,7 +52,7 @@ def refuse_unbuilt(args: argparse.Namespace) -> None:
         raise NotAvailable(f"--draft-model drafts with a model; it does not go with --draft {args.draft}")
     if args.draft == "model" and args.draft_model is None:
         raise NotAvailable("--draft model needs --draft-model PATH")
-    if not 1 <= args.draft_tokens <= 16:
+    if args.draft_tokens is not None and not 1 <= args.draft_tokens <= 16:
         raise NotAvailable("--draft-tokens must be between 1 and 16")
     if args.vision and args.tp > 1:
         # Followers would need every image's embeddings broadcast with the plans; not built.
@@ -75,13 +75,15 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
         startup_barrier(0)
         followers = Followers(control, spec.world)
     max_model_len = model_length(args, model)
+    # on the CPU rows are cheap until the cores' fma rate binds (docs/DECISIONS.md, "Drafts at one stream on a Zen 4")
+    draft_tokens = args.draft_tokens if args.draft_tokens is not None else 4 if placement.is_cuda else 16
     # Several ranks run the fast decode step uncaptured: graphs would hold NCCL's per-call bookkeeping still.
     stop_ids = set(model.tokenizer.eos_ids) | set(model.config.eos_token_ids)
     grammars = GrammarEngine.for_tokenizer(model.tokenizer, model.config.vocab_size, stop_ids)
     grammars.warm()  # the grammar engine's tokenizer (~0.5 s for 49k tokens), before the first constrained request
     backend = TorchBackend(model, runner_for(placement), lanes=args.lanes, max_model_len=max_model_len,
                            graphs=not args.no_graphs, capture=spec is None, grammars=grammars.matcher,
-                           draft_tokens=args.draft_tokens if args.draft or args.draft_model else 0)
+                           draft_tokens=draft_tokens if args.draft or args.draft_model else 0)
     if followers is not None:
         backend = FollowersBackend(backend, followers)
     backend = MeteredBackend(backend)  # pass times for /metrics
@@ -90,7 +92,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
     drafts, method = draft_source(args, model, placement)
     core = LaneCore(backend, text_factory(model.tokenizer), stop_ids, max_rows=args.max_rows, max_queue=args.max_queue,
                     cache_bytes=cache_bytes, max_decisions=args.max_decisions, drafts=drafts,
-                    draft_tokens=args.draft_tokens, draft_control=args.draft_lengths == "load")
+                    draft_tokens=draft_tokens, draft_control=args.draft_lengths == "load")
     tool_system = None
     if args.tool_system is not None:
         from .http.tool_system import ToolSystem
@@ -110,6 +112,7 @@ def build_service(args: argparse.Namespace, spec: RankSpec | None = None) -> Ser
                    tp=spec.world if spec else 1, followers=followers,
                    vision=args.vision, vision_inputs=vision_inputs(model, args) if args.vision else None,
                    pass_times=backend.statistics, draft_method=method,
+                   draft_tokens=draft_tokens if drafts is not None else 0,
                    grammars=grammars, kv_cache=model.decoder.kv.describe(), weights=model.weights_census().as_json())
 
 
