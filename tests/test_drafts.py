@@ -13,7 +13,7 @@ import torch
 import trio
 
 import tiny
-from lanes.core.drafting import EXPLORE, PROBE, Drafting
+from lanes.core.drafting import EXPLORE, PROBE, Draft, Drafting
 from lanes.drafts.model import DraftModel
 from lanes.drafts.ngram import NgramDrafter
 from lanes.drafts.suffix import SuffixDrafter
@@ -38,8 +38,9 @@ def test_prompt_lookup_proposes_what_followed_the_longest_repeated_ngram_latest(
     drafter = NgramDrafter(longest=3, shortest=2)
     job = Stream(1, (5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6))
     assert drafter.propose(job, 3) == (7, 1, 2)  # "5 6" last came before "7 1 2" (not the earlier "7 8 9")
+    assert drafter.propose(job, 3).kind == 2  # a draft's kind is its n-gram's length
     job.generated += [7, 1]  # "6 7 1" now ends the context: its 3-gram occurred once, followed by "2 5 6"
-    assert drafter.propose(job, 4) == (2, 5, 6, 7)
+    assert drafter.propose(job, 4) == (2, 5, 6, 7) and drafter.propose(job, 4).kind == 3
     assert drafter.propose(Stream(2, (1, 2, 3, 4)), 4) == ()  # nothing repeats
     drafter.forget(job)
     assert 1 not in drafter._contexts
@@ -357,3 +358,39 @@ def test_load_control_asks_as_often_as_an_ask_costs_a_twentieth_of_the_passes_it
     assert fast.asks_every() == 4
     fast._asked = 0.01
     assert fast.asks_every() == 16  # at most MOST_ASK
+
+
+class Kinds:
+    """Drafts of the kind asked for: the test says which each lane's next draft is."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[int, int] = {}
+
+    def propose(self, job, most):
+        return Draft((1,) * most, kind=self.kinds[job.id])
+
+    def forget(self, job):
+        pass
+
+
+def test_load_control_keeps_a_record_for_each_kind_of_draft():
+    """Prompt lookup's 4-gram matches hold where its 2-gram ones fail (a copy goes on; a 2-gram recurs by
+    chance): a lane's drafts are rated by their kind, so it drafts long on the one and nothing on the other."""
+    job = Stream(0, (1,))
+    source = Kinds()
+    drafting = Drafting(source, most=8)
+    for rows, seconds in [(1, 0.010), (9, 0.022), (17, 0.034)]:  # 1.5 ms a row over 8.5 ms fixed
+        drafting.passed(rows, seconds)
+    for _ in range(20):
+        for kind, kept in ((4, 8), (2, 0)):
+            source.kinds[0] = kind
+            drafting.observe(job, len(drafting.propose(job, 8)), kept)
+    assert min(drafting._rates(0, 4)) > 0.99 and drafting._rates(0, 2)[0] < 0.01  # 20 drafts of each kind
+    peeked = {0: Draft((1,) * 8, kind=4)}
+    assert drafting._choose([job], peeked) == {0: 8}
+    assert drafting._choose([job], {0: Draft((1,) * 8, kind=2)}) == {0: 0}
+    assert drafting._choose([job]) == {0: 0}  # unpeeked: rated as its latest draft's kind
+    fresh = Stream(1, (1,))  # a new stream starts from every stream's record of the kind
+    assert drafting._choose([fresh], {1: Draft((1,) * 8, kind=4)}) == {1: 8}
+    assert drafting._choose([fresh], {1: Draft((1,) * 8, kind=2)}) == {1: 0}
+    assert drafting._rates(1, 3) == pytest.approx((0.6, 0.6))  # a kind no stream has drafted: the prior

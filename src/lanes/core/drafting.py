@@ -1,14 +1,14 @@
 """Drafting: how many tokens each lane drafts, and asking its source for them.
 
 The one owner of each stream's draft record (its draft tokens kept and tried, decayed) and of two models
-of the decode passes' cost (seconds = fixed + per row x rows, learnt from the passes themselves, each
-timed from the result of the pass before): passes planned afresh after that result, as a drafted pass
-must be, and passes planned ahead of it (or fed behind it on the device), whose host work hides under
-the device's. Before a pass it gives each lane the draft length that most raises the pass's expected
+of the decode passes' cost (`pass_cost`: a line with a knee, rows under it free, learnt from the passes
+themselves, each timed from the result of the pass before): passes planned afresh after that result, as a
+drafted pass must be, and passes planned ahead of it (or fed behind it on the device), whose host work
+hides under the device's. Before a pass it gives each lane the draft length that most raises the pass's expected
 tokens a second: a lane whose first draft token is kept with chance a, and each later one with chance b
 given the ones before it were, gains a b^k expected tokens from its (k+1)-th draft token, which costs one
 row; a lane drafts one more token while that gain beats the pass's current tokens a second times a row's
-cost. The two chances differ: a draft that starts right goes on right (a copy of the prompt, measured:
+cost (nothing under the knee). The two chances differ: a draft that starts right goes on right (a copy of the prompt, measured:
 its first token kept 0.68 of the time, each later one 0.91-0.98), so one chance for all undervalues the
 tail of a long draft. A stream's record starts as every stream's lately (each draft's fate, decayed over
 some twenty), not a fixed prior: the first drafts of a copy are long where copies are what is asked for.
@@ -29,11 +29,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from .job import Job
+from .pass_cost import PassCost
 
 PRIOR = 0.6  # the acceptance the first streams' first drafts are planned with
 PRIOR_TRIALS = 2.0  # a prior's weight in draft tokens tried, decayed like a stream's own
@@ -41,20 +42,35 @@ RECORD_PRIOR = (PRIOR * PRIOR_TRIALS, PRIOR_TRIALS) * 2  # the first shared reco
 DECAY = 0.8  # the weight of a stream's past drafts against its latest one
 SHARED_DECAY = 0.95  # the weight of past drafts, every stream's, in the record a new stream starts from
 FOUND_PRIOR = (1.0, 1.0)  # a stream's source is first taken to find a draft whenever asked (found, asked)
-COST_DECAY = 0.95  # the weight of past passes in the cost model
 EXPLORE = 256  # a decision drafts nothing, so plain passes are planned ahead and timed, once this many lack one
-PROBE = 16  # the 16th decision in a row that drafts nothing drafts one token: the fresh cost line stays learnt
+PROBE = 16  # the 16th decision in a row that drafts nothing drafts one token: the fresh cost stays learnt
 MOST_PROBE = 1024  # each probe doubles the decisions to the next, up to this, until a decision drafts
 ASK_SHARE = 0.05  # asking whether to draft may take this share of the passes planned ahead, at most
 PEEKS = 16  # lanes peeked an ask at most, in turn: an ask's host time stays that of 16 lanes
 MOST_ASK = 16  # passes planned ahead between asks, at most
 
 
+class Draft(tuple):
+    """A source's draft tokens and its kind (prompt lookup: the n-gram's length), when the source can tell
+    drafts apart by how likely they hold: load control keeps a record for each kind. A tuple elsewhere."""
+
+    kind: Hashable = None
+
+    def __new__(cls, tokens, kind: Hashable = None) -> "Draft":
+        draft = super().__new__(cls, tokens)
+        draft.kind = kind
+        return draft
+
+
+Record = tuple[float, float, float, float]  # first, later draft tokens kept and tried, decayed
+
+
 class DraftSource(Protocol):
     """Where drafts come from (`lanes.drafts`): n-grams of a stream's own context, a suffix index, a model."""
 
     def propose(self, job: Job, most: int) -> tuple[int, ...]:
-        """Up to `most` tokens that may follow the stream's context (its prompt and generated tokens)."""
+        """Up to `most` tokens that may follow the stream's context (its prompt and generated tokens), a
+        `Draft` where the source knows their kind."""
         ...
 
     def forget(self, job: Job) -> None:
@@ -66,30 +82,6 @@ class Peeking(Protocol):
     """A source that can say, changing nothing, what it would propose once `after` follows the context."""
 
     def peek(self, job: Job, after: Sequence[int], most: int) -> tuple[int, ...]: ...
-
-
-class CostLine:
-    """Seconds a pass as fixed + per row x rows: a least-squares line over decayed sums of the passes seen."""
-
-    def __init__(self) -> None:
-        self.fixed, self.per_row = 0.0, 0.0
-        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # decayed sums of 1, rows, rows^2, seconds, rows x seconds
-
-    @property
-    def known(self) -> bool:
-        return self._sums[0] > 0
-
-    def seconds(self, rows: float) -> float:
-        return self.fixed + self.per_row * rows
-
-    def add(self, rows: int, seconds: float) -> None:
-        s = self._sums
-        for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            s[i] = COST_DECAY * s[i] + value
-        spread = s[0] * s[2] - s[1] * s[1]
-        if spread > 1e-9 * max(1.0, s[2]):
-            self.per_row = max(0.0, (s[0] * s[4] - s[1] * s[3]) / spread)
-        self.fixed = max(0.0, (s[3] - self.per_row * s[1]) / s[0])
 
 
 @dataclass(frozen=True)
@@ -138,12 +130,13 @@ class Drafting:
     def __init__(self, source: DraftSource, most: int, control: bool = True) -> None:
         self.source, self.most = source, most
         self.control = control  # off: every lane drafts `most` (tests and the fuzzer, which run in virtual time)
-        self._record: dict[int, tuple[float, float, float, float]] = {}  # job id -> first, later draft tokens kept and tried, decayed
-        self._shared = RECORD_PRIOR  # every stream's drafts alike, decayed: a stream's record until it has its own
+        self._record: dict[int, dict[Hashable, Record]] = {}  # job id -> its drafts' record, by their kind
+        self._shared: dict[Hashable, Record] = {}  # kind -> every stream's drafts of it: a stream's until it has its own
+        self._kinds: dict[int, Hashable] = {}  # job id -> the kind of its latest draft
         self._found: dict[int, tuple[float, float]] = {}  # job id -> times its source found a draft and was asked
         self._lengths: dict[int, int] = {}  # job id -> its draft length in the pass being planned (`begin`)
         self._ready: dict[int, int] | None = None  # lengths `would_draft` chose, for the fresh plan it asked for
-        self.fresh, self.ahead = CostLine(), CostLine()  # passes planned after their predecessor's result, and ahead of it
+        self.fresh, self.ahead = PassCost(), PassCost()  # passes planned after their predecessor's result, and ahead of it
         self._idle = 0  # decisions in a row that drafted nothing
         self._probe_every = PROBE  # idle decisions from one probe to the next
         self._unseen = EXPLORE  # decisions since a pass planned ahead was timed (none yet: the first explores)
@@ -204,7 +197,7 @@ class Drafting:
     def _decide(self, jobs, drafts: Mapping[int, tuple[int, ...]] | None = None) -> dict[int, int]:
         self._unseen += 1
         if self._unseen > EXPLORE and self.control:
-            # Drafting that always pays by the fresh line alone would never learn what a plain pass ahead costs.
+            # Drafting that always pays by the fresh cost alone would never learn what a plain pass ahead costs.
             self._unseen = 0
             return {job.id: 0 for job in jobs}
         lengths = self._choose(jobs, drafts)
@@ -229,13 +222,13 @@ class Drafting:
     def _choose(self, jobs, drafts: Mapping[int, tuple[int, ...]] | None = None) -> dict[int, int]:
         """Each decoding job's draft length (by id) for the next pass; see the module's docstring. With
         `drafts` (peeked) a lane drafts at most its draft's length."""
-        rates = {job.id: self._rates(job.id) for job in jobs}
+        rates = {job.id: self._rates(job.id, self._kind(job.id, drafts)) for job in jobs}
         if not self.control:
             return dict.fromkeys(rates, self.most)
         lengths = dict.fromkeys(rates, 0)
         if self.most <= 0 or not rates:
             return lengths
-        fixed, per_row = self.fresh.fixed, self.fresh.per_row
+        cost = self.fresh.seconds
         tokens, rows = float(len(rates)), float(len(rates))
         most = {job: self.most if drafts is None else min(self.most, len(drafts[job])) for job in rates}
         # lanes by their next draft token's expected gain, the largest first (ties: the earlier lane)
@@ -244,8 +237,8 @@ class Drafting:
         while gains:
             gain, order, job = gains[0]
             gain = -gain
-            seconds = fixed + per_row * rows
-            if seconds > 0 and gain * seconds <= tokens * per_row:
+            seconds = cost(rows)
+            if seconds > 0 and gain * seconds <= tokens * (cost(rows + 1) - seconds):
                 break  # no lane's next token pays for its row
             lengths[job] += 1
             tokens, rows = tokens + gain, rows + 1
@@ -253,7 +246,7 @@ class Drafting:
                 heapq.heappop(gains)
             else:
                 heapq.heapreplace(gains, (-gain * rates[job][1], order, job))
-        lanes, seconds = float(len(rates)), fixed + per_row * rows
+        lanes, seconds = float(len(rates)), cost(rows)
         if self.ahead.known and seconds > 0 and tokens / seconds <= lanes / max(self.ahead.seconds(lanes), 1e-9):
             return dict.fromkeys(rates, 0)  # a plain pass planned ahead makes tokens faster than this draft
         return lengths
@@ -263,6 +256,8 @@ class Drafting:
             return ()
         draft = self.source.propose(job, most)
         self._asked_source(job.id, bool(draft))
+        if draft:
+            self._kinds[job.id] = getattr(draft, "kind", None)
         return draft
 
     def _asked_source(self, job_id: int, found: bool) -> None:
@@ -275,21 +270,21 @@ class Drafting:
         self.drafted += drafted
         self.accepted += accepted
         self.pieces += 1
-        self._learn(job.id, drafted, accepted)
+        self._learn(job.id, self._kinds.get(job.id), drafted, accepted)
 
-    def _learn(self, job_id: int, drafted: int, accepted: int) -> None:
+    def _learn(self, job_id: int, kind: Hashable, drafted: int, accepted: int) -> None:
         # tokens are tried in order until one fails: a draft of k with j kept tried j + 1 (k when all were),
         # its first and, when that was kept, min(k, j + 1) - 1 later ones
         outcome = (accepted > 0, 1, max(accepted - 1, 0), min(drafted, accepted + 1) - 1 if accepted else 0)
-        self._record[job_id] = _decayed(self._stream_record(job_id), DECAY, outcome)
-        self._shared = _decayed(self._shared, SHARED_DECAY, outcome)
+        self._record.setdefault(job_id, {})[kind] = _decayed(self._stream_record(job_id, kind), DECAY, outcome)
+        self._shared[kind] = _decayed(self._shared.get(kind, RECORD_PRIOR), SHARED_DECAY, outcome)
 
-    def _stream_record(self, job_id: int) -> tuple[float, float, float, float]:
+    def _stream_record(self, job_id: int, kind: Hashable = None) -> Record:
         """The stream's decayed record; before its first draft's fate is known, the shared record's two rates
         at PRIOR_TRIALS' weight: a workload of copies starts its streams drafting long, one of prose short."""
-        record = self._record.get(job_id)
+        record = self._record.get(job_id, {}).get(kind)
         if record is None:
-            kept, tried, kept_later, tried_later = self._shared
+            kept, tried, kept_later, tried_later = self._shared.get(kind, RECORD_PRIOR)
             record = (kept / tried * PRIOR_TRIALS, PRIOR_TRIALS, kept_later / tried_later * PRIOR_TRIALS, PRIOR_TRIALS)
         return record
 
@@ -309,32 +304,39 @@ class Drafting:
             del shadows[job.id]
             self._asked_source(job.id, bool(draft))
             if draft:
-                self._learn(job.id, len(draft), kept)
+                self._learn(job.id, getattr(draft, "kind", None), len(draft), kept)
 
     def passed(self, rows: int, seconds: float, ahead: bool = False) -> None:
         """A decode pass of `rows` rows came back `seconds` after the one before it, planned ahead of that
-        one's result or not: the matching cost line learns it."""
+        one's result or not: the matching cost model learns it."""
         (self.ahead if ahead else self.fresh).add(rows, seconds)
         self.times[ahead] = self.times[ahead].add(rows, seconds)
         if ahead:
             self._unseen = 0
 
-    def _rates(self, job_id: int) -> tuple[float, float]:
+    def _rates(self, job_id: int, kind: Hashable = None) -> tuple[float, float]:
         """A first draft token's chance of being kept, and a later one's given the ones before it were: the
         stream's decayed record, which starts as every stream's (`_stream_record`)."""
-        kept, tried, kept_later, tried_later = self._stream_record(job_id)
+        kept, tried, kept_later, tried_later = self._stream_record(job_id, kind)
         return kept / tried, kept_later / tried_later
 
     def _first_gain(self, job_id: int, drafts: Mapping[int, tuple[int, ...]] | None = None) -> float:
         """A first draft token's expected gain: the source finds a draft for the stream (known when peeked),
         and it is kept."""
         if drafts is not None:
-            return self._rates(job_id)[0] if drafts[job_id] else 0.0
+            return self._rates(job_id, self._kind(job_id, drafts))[0] if drafts[job_id] else 0.0
         found, asked = self._found.get(job_id, FOUND_PRIOR)
-        return found / asked * self._rates(job_id)[0]
+        return found / asked * self._rates(job_id, self._kind(job_id))[0]
+
+    def _kind(self, job_id: int, drafts: Mapping[int, tuple[int, ...]] | None = None) -> Hashable:
+        """The kind of the stream's draft: the one peeked, else its latest one's."""
+        if drafts is not None and drafts.get(job_id):
+            return getattr(drafts[job_id], "kind", None)
+        return self._kinds.get(job_id)
 
     def ended(self, job: Job) -> None:
         self._record.pop(job.id, None)
+        self._kinds.pop(job.id, None)
         self._found.pop(job.id, None)
         self._shadows.pop(job.id, None)
         self.source.forget(job)
@@ -343,6 +345,6 @@ class Drafting:
         return DraftStats(self.drafted, self.accepted, self.pieces, self.times[False], self.times[True])
 
 
-def _decayed(record: tuple[float, float, float, float], decay: float, outcome: tuple) -> tuple[float, float, float, float]:
+def _decayed(record: Record, decay: float, outcome: tuple) -> Record:
     """A (kept, tried, kept later, tried later) record with one draft's outcome added after decaying the rest."""
     return tuple(decay * value + new for value, new in zip(record, outcome))  # type: ignore[return-value]
