@@ -6,12 +6,14 @@
 Two fixed workloads of 32 chat requests each to the default model, greedy: `input-grounded` (repeat, quote
 or copy a given passage, where the answer repeats its input) and `open-ended` (stories and explanations).
 At N streams all 32 requests run, N at a time (at 1 stream one after another), so every row does the same
-work. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
+work. Each setting (off, each method) has a lane core and a model of its own, and the settings take each N
+requests in turn (at 1 stream, request by request): this host's slow spells, which last seconds and
+change plain decoding's rate by a third, fall on every setting alike. Decode tokens/s counts each stream's tokens after its first, over the time when some stream was
 decoding (the union of the streams' first-to-last-token spans: at 1 stream the next request's prompt pass is
 not decode time); drafts are sized by the lane core's load control, as `lanes serve --draft ngram` runs
 them on the CPU, up to 16 tokens a lane (on a 2-core CPU, the default model's fp32 products of 9 rows cost
 about 1.3x one row's, of 16 rows about 1.75x: load control drafts that long only while it pays).
-Each run's lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
+Each lane core first serves, untimed, N requests of the other workload (32 new tokens each), as a
 server that has been up a while has: its load control has timed its passes, its suffix index holds outputs.
 Prints one table: tokens/s off, each method's tokens/s, its ratio to off, and its mean accepted draft tokens
 a drafted piece. `--dequantize` reads the GGUF file's blocks as fp32 tensors: the full-precision regime,
@@ -71,16 +73,6 @@ def workloads() -> dict[str, list[str]]:
     return {"input-grounded": grounded, "open-ended": open_ended}
 
 
-async def run(model, placement, prompts: list[list[int]], warm: list[list[int]], at_once: int, new: int, drafts,
-              most: int = 16) -> tuple[float, DraftStats | None]:
-    """Decode tokens/s over `prompts`, `at_once` at a time, after `warm` (untimed); and the drafts' statistics
-    when drafting."""
-    backend = TorchBackend(model, runner_for(placement), lanes=at_once, max_model_len=1024)
-    core = LaneCore(backend, text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
-                    drafts=drafts, draft_tokens=most)
-    return await decode_rate(core, prompts, warm, at_once, new)
-
-
 WARM_NEW = 32  # new tokens a warm-up request
 
 
@@ -124,6 +116,53 @@ async def decode_rate(core: LaneCore, prompts, warm, at_once: int, new: int) -> 
     return rate, drafts
 
 
+async def paired_rates(cores: dict[str, LaneCore], prompts, warm, at_once: int, new: int) -> dict[str, tuple[float, DraftStats | None]]:
+    """Decode tokens/s of each setting's lane core over the same `prompts`, `at_once` at a time, the cores
+    taking each group of `at_once` in turn (at 1 stream: request by request), so that the host's slow spells,
+    which last seconds, fall on every setting alike; each core first serves `warm`, untimed. Each core
+    has a model of its own (the KV cache is the model's)."""
+    spans: dict[str, list] = {name: [] for name in cores}
+    tokens = dict.fromkeys(cores, 0)
+
+    async def one(name: str, prompt, most: int, timed: bool) -> None:
+        stream = await cores[name].submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=most)))
+        first = None
+        async for event in stream.events:
+            if isinstance(event, TokenEvent) and first is None:
+                first = time.perf_counter()
+            elif isinstance(event, Finished) and timed:
+                tokens[name] += event.completion_tokens - 1
+                if first is not None:
+                    spans[name].append((first, time.perf_counter()))
+
+    async with trio.open_nursery() as nursery:
+        for core in cores.values():
+            await nursery.start(core.run)
+        for name in cores:
+            async with trio.open_nursery() as clients:
+                for prompt in warm:
+                    clients.start_soon(one, name, prompt, WARM_NEW, False)
+        before = {name: core.statistics().drafts for name, core in cores.items()}
+        for start in range(0, len(prompts), at_once):
+            for name in cores:
+                async with trio.open_nursery() as clients:
+                    for prompt in prompts[start:start + at_once]:
+                        clients.start_soon(one, name, prompt, new, True)
+        results = {}
+        for name, core in cores.items():
+            drafts = core.statistics().drafts
+            results[name] = (tokens[name] / covered(spans[name]), drafts and drafts.since(before[name]))
+            await core.shutdown(0)
+    for name, core in cores.items():
+        core.check_stopped()
+        rate, drafts = results[name]
+        print(f"    {name}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+        if drafts is not None:
+            print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces",
+                  file=sys.stderr, flush=True)
+    return results
+
+
 def covered(spans: list[tuple[float, float]]) -> float:
     """Seconds inside at least one of the spans."""
     total, reach = 0.0, float("-inf")
@@ -147,8 +186,10 @@ def main() -> None:
     args = parser.parse_args()
     placement = choose("cpu", "fp32")
     counts = [int(n) for n in args.streams.split(",")]
-    model = load_model(resolve_model(args.model), placement, kv_blocks=max(counts) * blocks_for(1024), dequantize=args.dequantize)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    models = {name: load_model(resolve_model(args.model), placement, kv_blocks=max(counts) * blocks_for(1024),
+                               dequantize=args.dequantize) for name in ("off", *methods)}  # a KV cache each
+    model = models["off"]
     sources = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
     rows = []
     encoded = {name: [model.tokenizer.encode_chat([{"role": "user", "content": text}]) for text in texts]
@@ -159,12 +200,15 @@ def main() -> None:
         other = next(p for w, p in encoded.items() if w != name)
         for n in counts:
             results: dict[str, list] = {"off": [], **{m: [] for m in methods}}
-            for i in range(args.runs):  # interleaved, so that the machine's slow spells fall on every setting
-                for method in results:
-                    print(f"{name}, {n} streams, {method}, run {i + 1} ...", file=sys.stderr, flush=True)
-                    drafts = sources[method]() if method != "off" else None
-                    results[method].append(trio.run(run, model, placement, prompts, other[:n], n, args.new, drafts,
-                                                            args.draft_tokens))
+            for i in range(args.runs):  # each run's settings take the requests in turn (`paired_rates`)
+                print(f"{name}, {n} streams, run {i + 1} ...", file=sys.stderr, flush=True)
+                cores = {method: LaneCore(TorchBackend(models[method], runner_for(placement), lanes=n, max_model_len=1024),
+                                          text_factory(model.tokenizer), model.tokenizer.eos_ids, max_rows=512,
+                                          drafts=sources[method]() if method != "off" else None,
+                                          draft_tokens=args.draft_tokens)
+                         for method in results}
+                for method, result in trio.run(paired_rates, cores, prompts, other[:n], n, args.new).items():
+                    results[method].append(result)
             rows.append((name, n, {m: sorted(r, key=lambda x: x[0])[len(r) // 2] for m, r in results.items()}))
     kinds = ", ".join(sorted(model.weights_census().tensors))
     products = "fp32 products" if args.dequantize else "Q8_0/Q4_0/Q4_1 products on 8-bit activations"
