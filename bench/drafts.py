@@ -76,25 +76,45 @@ def workloads() -> dict[str, list[str]]:
 WARM_NEW = 32  # new tokens a warm-up request
 
 
+class Tally:
+    """Decode tokens of the timed requests (each stream's after its first) and their first-to-last-token spans."""
+
+    def __init__(self) -> None:
+        self.tokens, self.spans = 0, []
+
+    def rate(self) -> float:
+        return self.tokens / covered(self.spans)
+
+
+async def request(core: LaneCore, prompt, most: int, tally: Tally | None) -> None:
+    """One greedy request through `core`, counted in `tally` when it is timed."""
+    stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=most)))
+    first = None
+    async for event in stream.events:
+        if isinstance(event, TokenEvent) and first is None:
+            first = time.perf_counter()
+        elif isinstance(event, Finished) and tally is not None:
+            tally.tokens += event.completion_tokens - 1
+            if first is not None:
+                tally.spans.append((first, time.perf_counter()))
+
+
+def report(label: str, rate: float, drafts: DraftStats | None) -> None:
+    print(f"    {label}{rate:.1f} tok/s", file=sys.stderr, flush=True)
+    if drafts is not None:
+        print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces", file=sys.stderr,
+              flush=True)
+
+
 async def decode_rate(core: LaneCore, prompts, warm, at_once: int, new: int) -> tuple[float, DraftStats | None]:
     """Run greedy `warm`, then `prompts` through `core`, `at_once` at a time, then stop it: (decode tokens/s
     of `prompts`, the drafts' statistics over them or None). Decode tokens are each stream's after its
     first, over the time inside some stream's first-to-last-token span."""
-    spans, tokens = [], 0
-    limiter = trio.Semaphore(at_once)
+    tally, limiter = Tally(), trio.Semaphore(at_once)
 
     async def one(prompt, most: int, timed: bool) -> None:
-        nonlocal tokens
         async with limiter:
-            stream = await core.submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=most)))
-            first = None
-            async for event in stream.events:
-                if isinstance(event, TokenEvent) and first is None:
-                    first = time.perf_counter()
-                elif isinstance(event, Finished) and timed:
-                    tokens += event.completion_tokens - 1
-                    if first is not None:
-                        spans.append((first, time.perf_counter()))
+            await request(core, prompt, most, tally if timed else None)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(core.run)
@@ -107,12 +127,8 @@ async def decode_rate(core: LaneCore, prompts, warm, at_once: int, new: int) -> 
         stats = core.statistics()
         await core.shutdown(0)
     core.check_stopped()
-    rate = tokens / covered(spans)
-    drafts = stats.drafts and stats.drafts.since(before)
-    print(f"    {rate:.1f} tok/s", file=sys.stderr, flush=True)
-    if drafts is not None:
-        print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces", file=sys.stderr,
-              flush=True)
+    rate, drafts = tally.rate(), stats.drafts and stats.drafts.since(before)
+    report("", rate, drafts)
     return rate, drafts
 
 
@@ -121,45 +137,28 @@ async def paired_rates(cores: dict[str, LaneCore], prompts, warm, at_once: int, 
     taking each group of `at_once` in turn (at 1 stream: request by request), so that the host's slow spells,
     which last seconds, fall on every setting alike; each core first serves `warm`, untimed. Each core
     has a model of its own (the KV cache is the model's)."""
-    spans: dict[str, list] = {name: [] for name in cores}
-    tokens = dict.fromkeys(cores, 0)
-
-    async def one(name: str, prompt, most: int, timed: bool) -> None:
-        stream = await cores[name].submit(Request(tuple(prompt), SamplingParams(temperature=0, max_tokens=most)))
-        first = None
-        async for event in stream.events:
-            if isinstance(event, TokenEvent) and first is None:
-                first = time.perf_counter()
-            elif isinstance(event, Finished) and timed:
-                tokens[name] += event.completion_tokens - 1
-                if first is not None:
-                    spans[name].append((first, time.perf_counter()))
-
+    tallies = {name: Tally() for name in cores}
     async with trio.open_nursery() as nursery:
         for core in cores.values():
             await nursery.start(core.run)
-        for name in cores:
+        for core in cores.values():
             async with trio.open_nursery() as clients:
                 for prompt in warm:
-                    clients.start_soon(one, name, prompt, WARM_NEW, False)
+                    clients.start_soon(request, core, prompt, WARM_NEW, None)
         before = {name: core.statistics().drafts for name, core in cores.items()}
         for start in range(0, len(prompts), at_once):
-            for name in cores:
+            for name, core in cores.items():
                 async with trio.open_nursery() as clients:
                     for prompt in prompts[start:start + at_once]:
-                        clients.start_soon(one, name, prompt, new, True)
+                        clients.start_soon(request, core, prompt, new, tallies[name])
         results = {}
         for name, core in cores.items():
             drafts = core.statistics().drafts
-            results[name] = (tokens[name] / covered(spans[name]), drafts and drafts.since(before[name]))
+            results[name] = (tallies[name].rate(), drafts and drafts.since(before[name]))
             await core.shutdown(0)
     for name, core in cores.items():
         core.check_stopped()
-        rate, drafts = results[name]
-        print(f"    {name}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
-        if drafts is not None:
-            print(f"    passes: {drafts.fresh} fresh, {drafts.ahead} ahead; {drafts.pieces} drafted pieces",
-                  file=sys.stderr, flush=True)
+        report(f"{name}: ", *results[name])
     return results
 
 
