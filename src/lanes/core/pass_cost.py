@@ -49,12 +49,13 @@ class PassCost:
         return fixed + per_row * max(0.0, rows - free)
 
     def add(self, rows: int, seconds: float) -> None:
-        self._used.add(bisect.bisect_right(KNEES, rows) - 1)
-        for used in self._used:  # a pass's rows fall in a span or two: the others hold zeros
+        index = bisect.bisect_right(KNEES, rows) - 1
+        self._used.add(index)
+        for used in self._used:  # the passes fall in a few spans: the others hold zeros
             span = self._spans[used]
             for i in range(6):
                 span[i] *= COST_DECAY
-        span = self._spans[bisect.bisect_right(KNEES, rows) - 1]
+        span = self._spans[index]
         for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds, seconds * seconds)):
             span[i] += value
         self._weight = COST_DECAY * self._weight + 1.0
