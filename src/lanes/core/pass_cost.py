@@ -24,13 +24,12 @@ class PassCost:
         # per span [KNEES[i], KNEES[i + 1]): decayed sums of 1, rows, rows^2, seconds, rows x seconds, seconds^2
         self._spans = [[0.0] * 6 for _ in KNEES]
         self._used: set[int] = set()  # the spans a pass has fallen in
-        self._weight = 0.0
         self._line = (0, 0.0, 0.0)  # free, fixed, per_row as last fitted
         self._stale = False
 
     @property
     def known(self) -> bool:
-        return self._weight > 0
+        return bool(self._used)
 
     @property
     def free(self) -> int:
@@ -58,7 +57,6 @@ class PassCost:
         span = self._spans[index]
         for i, value in enumerate((1.0, rows, rows * rows, seconds, rows * seconds, seconds * seconds)):
             span[i] += value
-        self._weight = COST_DECAY * self._weight + 1.0
         self._stale = True
 
     def _fitted(self) -> tuple[int, float, float]:
